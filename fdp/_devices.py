@@ -1,0 +1,89 @@
+"""Device arguments: parsing, defaults and availability checks.
+
+Every public entry point that takes devices goes through :func:`resolve_devices`, so the
+spelling rules (ints are CUDA indices, strings, ``torch.device``) and the error messages live
+in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["DeviceLike", "parse_device", "resolve_devices", "default_devices", "check_available"]
+
+DeviceLike = int | str | torch.device
+
+_SUPPORTED_TYPES = ("cpu", "cuda")
+
+
+def parse_device(device: object, *, what: str) -> torch.device:
+    """Turns one device spelling into a ``torch.device`` without touching the hardware.
+
+    ``what`` names the argument in error messages, e.g. ``"fdp.pmap devices[2]"``.
+    """
+    if isinstance(device, bool):  # bool is an int subclass: True is no CUDA index
+        raise TypeError(f"{what} must be an int, str or torch.device, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"{what} must be a non-negative CUDA index, got {device}")
+        parsed = torch.device("cuda", device)
+    elif isinstance(device, str):
+        try:
+            parsed = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"{what} is not a device: {device!r} ({err})") from None
+    elif isinstance(device, torch.device):
+        parsed = device
+    else:
+        raise TypeError(
+            f"{what} must be an int, str or torch.device, got {type(device).__name__}: {device!r}"
+        )
+    if parsed.type not in _SUPPORTED_TYPES:
+        raise ValueError(f"{what}: fdp runs on cpu and cuda devices, got {str(parsed)!r}")
+    if parsed.type == "cpu":
+        # "cpu:0" and "cpu" are the same memory; one spelling keeps comparisons simple.
+        parsed = torch.device("cpu")
+    return parsed
+
+
+def default_devices() -> tuple[torch.device, ...]:
+    """All visible CUDA devices, else one CPU device."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return tuple(torch.device("cuda", i) for i in range(torch.cuda.device_count()))
+    return (torch.device("cpu"),)
+
+
+def check_available(device: torch.device, *, what: str) -> torch.device:
+    """Checks that ``device`` exists on this machine; pins a bare ``cuda`` to an index."""
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} is {str(device)!r}, but CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"{what} is {str(device)!r}, but only {count} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+def resolve_devices(
+    devices: Sequence[DeviceLike] | None, *, what: str, check: bool = True
+) -> tuple[torch.device, ...]:
+    """Parses a ``devices`` argument (``None`` means :func:`default_devices`).
+
+    Duplicates are kept: ``["cpu", "cpu"]`` is two replicas on the CPU.
+    """
+    if devices is None:
+        return default_devices()
+    if isinstance(devices, (str, int, torch.device)):
+        raise TypeError(
+            f"{what} must be a sequence of devices, got {devices!r}; write [{devices!r}] for a single device"
+        )
+    parsed = tuple(parse_device(d, what=f"{what}[{i}]") for i, d in enumerate(devices))
+    if not parsed:
+        raise ValueError(f"{what} must name at least one device, got an empty sequence")
+    if check:
+        parsed = tuple(check_available(d, what=f"{what}[{i}]") for i, d in enumerate(parsed))
+    return parsed

@@ -1,0 +1,134 @@
+"""A thread-safe ``functional_call``: module skeletons that hold no tensor memory.
+
+``torch.func.functional_call`` swaps the given tensors into the module object itself, so two
+threads calling it on one module see each other's weights. Here each call gets a *skeleton*: a
+copy of every submodule object with its own ``_parameters``, ``_buffers`` and ``_modules`` dicts
+(what ``Module._replicate_for_data_parallel`` builds), whose entries still point at the original
+tensors. The swap then happens in the skeleton, privately.
+
+Skeletons are cached per module in a small free list (one per concurrent caller, so one per
+replica under ``fdp.pmap``) and refreshed from the original on every checkout: changes made to
+the module between calls (``model.eval()``, a new attribute, a replaced submodule) are always
+seen. Hooks and other attribute values are shared with the original, as in ``nn.DataParallel``;
+attributes that ``forward`` assigns on ``self`` land on the skeleton and are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["functional_call"]
+
+
+class _Skeleton:
+    """A structural copy of a module tree; see the module docstring."""
+
+    def __init__(self, root: nn.Module) -> None:
+        # Weak references: the cache that holds skeletons is keyed weakly by the module.
+        self._pairs: list[tuple[weakref.ref[nn.Module], nn.Module]] = []
+        self._copies: dict[int, tuple[weakref.ref[nn.Module], nn.Module]] = {}
+        for original in root.modules():
+            copy = object.__new__(type(original))
+            ref = weakref.ref(original)
+            self._pairs.append((ref, copy))
+            self._copies[id(original)] = (ref, copy)
+        self.root = self._copies[id(root)][1]
+
+    def _copy_of(self, module: nn.Module | None) -> nn.Module | None:
+        if module is None:
+            return None
+        ref, copy = self._copies[id(module)]  # KeyError: a submodule added since the build
+        if ref() is not module:
+            raise KeyError(id(module))  # the id belonged to a module that no longer exists
+        return copy
+
+    def refresh(self) -> bool:
+        """Copies the originals' current state in; False if the module tree changed shape."""
+        try:
+            for ref, copy in self._pairs:
+                original = ref()
+                if original is None:
+                    continue  # removed from the tree and collected
+                state = original.__dict__.copy()
+                state["_parameters"] = state["_parameters"].copy()
+                state["_buffers"] = state["_buffers"].copy()
+                state["_modules"] = {k: self._copy_of(m) for k, m in state["_modules"].items()}
+                object.__setattr__(copy, "__dict__", state)
+        except KeyError:
+            return False
+        return True
+
+
+_FREE: weakref.WeakKeyDictionary[nn.Module, list[_Skeleton]] = weakref.WeakKeyDictionary()
+_FREE_LOCK = threading.Lock()
+
+
+def _checkout(module: nn.Module) -> _Skeleton:
+    with _FREE_LOCK:
+        free = _FREE.get(module)
+        skeleton = free.pop() if free else None
+    if skeleton is None or not skeleton.refresh():
+        skeleton = _Skeleton(module)
+        skeleton.refresh()
+    return skeleton
+
+
+def _release(module: nn.Module, skeleton: _Skeleton) -> None:
+    with _FREE_LOCK:
+        _FREE.setdefault(module, []).append(skeleton)
+
+
+def functional_call(
+    module: nn.Module,
+    params: dict[str, Any] | Sequence[dict[str, Any]],
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    tie_weights: bool = True,
+    strict: bool = False,
+) -> Any:
+    """Calls ``module`` with its parameters and buffers replaced by ``params``; safe in threads.
+
+    A drop-in for :func:`torch.func.functional_call` that any number of threads may call on the
+    same module at once: the tensors are swapped into a private skeleton of the module, never
+    into ``module`` itself. Works inside ``torch.func.grad``/``vmap`` and inside functions
+    mapped by :func:`fdp.pmap`.
+
+    Args:
+        module: the module to call. It is not modified.
+        params: a dict from parameter and buffer names (as in ``module.named_parameters()``) to
+            tensors, or a sequence of such dicts. Names it does not mention keep the module's own
+            tensors.
+        args: the positional arguments for ``forward``; a single non-tuple value is passed as
+            the only argument. Default: ``()``.
+        kwargs: the keyword arguments for ``forward``. Default: ``None`` (none).
+        tie_weights: as in :func:`torch.func.functional_call`: tensors tied in ``module`` stay
+            tied to the value given for any of their names. Default: ``True``.
+        strict: as in :func:`torch.func.functional_call`: require exactly the module's
+            parameters and buffers in ``params``. Default: ``False``.
+
+    Returns:
+        What ``module.forward`` returns.
+
+    Example:
+        >>> import torch, fdp
+        >>> layer = torch.nn.Linear(3, 1)
+        >>> params = {"weight": torch.ones(1, 3), "bias": torch.zeros(1)}
+        >>> fdp.functional_call(layer, params, (torch.tensor([[1.0, 2.0, 3.0]]),))
+        tensor([[6.]])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fdp.functional_call: module must be a torch.nn.Module, got {type(module).__name__}")
+    skeleton = _checkout(module)
+    try:
+        return torch.func.functional_call(
+            skeleton.root, params, args, kwargs, tie_weights=tie_weights, strict=strict
+        )
+    finally:
+        _release(module, skeleton)

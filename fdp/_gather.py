@@ -1,0 +1,187 @@
+"""Gather: from one output tree per replica to one tree on the output device.
+
+:func:`gather_leaves` is the one place where replica outputs are checked and joined; ``fdp.pmap``
+and the public :func:`gather` both use it.
+
+* Tensor leaves with an int axis are concatenated along it on the destination; 0-dim tensors
+  are stacked into a vector with one entry per replica (``nn.DataParallel`` warns and unsqueezes
+  for dim 0 and fails otherwise).
+* Tensor leaves with axis ``None`` are taken from one replica: the first on the destination
+  device, else replica 0 (moved). With ``check=True`` every replica must hold an equal value.
+* Non-tensor leaves are returned once when every replica returned an equal value, and are an
+  error otherwise (``nn.DataParallel`` turns a ``str`` into ``"<map object ...>"``).
+* Every replica must return the same tree structure; container types are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from . import _axes, _devices, _transfer, _tree
+
+__all__ = ["gather", "gather_outputs"]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. an array's ambiguous truth value: not provably equal
+        return False
+
+
+class OutputPlan:
+    """Per-leaf out axes for one output structure (cached by ``fdp.pmap``)."""
+
+    __slots__ = ("treespec", "axes")
+
+    def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any]) -> None:
+        self.treespec = treespec
+        self.axes = axes
+
+
+def gather_outputs(
+    outputs: Sequence[Any],
+    destination: torch.device,
+    out_axes: Any,
+    *,
+    caller: str,
+    check: bool = False,
+    plans: dict[optree.PyTreeSpec, OutputPlan] | None = None,
+) -> Any:
+    """Joins the replicas' output trees on ``destination``; ``out_axes`` is a checked spec."""
+    flat = [_tree.flatten(out) for out in outputs]
+    treespec = flat[0][1]
+    for r, (_, other) in enumerate(flat[1:], start=1):
+        if other != treespec:
+            raise ValueError(
+                f"{caller}: the replicas returned outputs of different structure: replica 0 "
+                f"returned {treespec} but replica {r} returned {other}. Every replica must "
+                "return the same structure."
+            )
+    plan = plans.get(treespec) if plans is not None else None
+    if plan is None:
+        axes = _axes.leaf_axes(out_axes, outputs[0], what="out_axes", tree_name="the output")
+        plan = OutputPlan(treespec, axes)
+        if plans is not None:
+            plans[treespec] = plan
+
+    columns = list(zip(*(leaves for leaves, _ in flat)))
+    joined = [
+        _join(values, axis, destination, k, caller=caller, check=check, outputs=outputs)
+        for k, (values, axis) in enumerate(zip(columns, plan.axes))
+    ]
+    return _tree.unflatten(treespec, joined)
+
+
+def _join(
+    values: Sequence[Any],
+    axis: Any,
+    destination: torch.device,
+    k: int,
+    *,
+    caller: str,
+    check: bool,
+    outputs: Sequence[Any],
+) -> Any:
+    def path() -> str:
+        return _tree.flatten_with_paths(outputs[0], "output")[0][k]
+
+    tensors = [isinstance(v, torch.Tensor) for v in values]
+    if not any(tensors):
+        first = values[0]
+        for r, v in enumerate(values[1:], start=1):
+            if not _equal(first, v):
+                raise ValueError(
+                    f"{caller}: the replicas returned different non-tensor values at {path()}: "
+                    f"replica 0 returned {first!r} but replica {r} returned {v!r}. Non-tensor "
+                    "outputs are returned once and must agree; return a tensor to get one "
+                    "value per replica."
+                )
+        return first
+    if not all(tensors):
+        kinds = ", ".join(_tree.describe(v) for v in values)
+        raise ValueError(
+            f"{caller}: the replicas returned a mix of tensors and other values at {path()} "
+            f"({kinds}); each output leaf must be a tensor on every replica or on none"
+        )
+    if axis is _axes.BROADCAST:
+        return _unmapped(values, destination, caller=caller, check=check, path=path)
+    if all(v.dim() == 0 for v in values):
+        return _transfer.gather_to([v.unsqueeze(0) for v in values], 0, destination)
+    ranks = {v.dim() for v in values}
+    dim = _axes.normalize_axis(axis, values[0].dim()) if len(ranks) == 1 else None
+    if dim is None:
+        kinds = ", ".join(_tree.describe(v) for v in values)
+        raise ValueError(
+            f"{caller}: cannot concatenate {path()} along out_axes {axis}: the replicas returned {kinds}"
+        )
+    try:
+        return _transfer.gather_to(values, dim, destination)
+    except RuntimeError as err:
+        kinds = ", ".join(_tree.describe(v) for v in values)
+        raise ValueError(
+            f"{caller}: cannot concatenate {path()} along axis {dim}: the replicas returned {kinds} ({err})"
+        ) from err
+
+
+def _unmapped(
+    values: Sequence[torch.Tensor], destination: torch.device, *, caller: str, check: bool, path: Any
+) -> torch.Tensor:
+    chosen = next((v for v in values if v.device == destination), values[0])
+    result = _transfer.to_device(chosen, destination)
+    if check:
+        for r, v in enumerate(values):
+            other = _transfer.to_device(v, destination)
+            if other.shape != result.shape or not torch.equal(other, result):
+                raise ValueError(
+                    f"{caller}: out_axes is None for {path()}, but the replicas disagree: "
+                    f"replica {r} returned {_tree.describe(v)} that differs from the value on "
+                    "the output device"
+                )
+    return result
+
+
+def gather(
+    trees: Sequence[Any],
+    device: _devices.DeviceLike,
+    *,
+    out_axes: Any = 0,
+) -> Any:
+    """Joins one tree per replica into one tree on ``device``, differentiably.
+
+    The pytree-generic, CPU-capable counterpart of ``torch.nn.parallel.gather``.
+
+    Args:
+        trees: the replicas' trees, all of the same structure.
+        device: where the result goes (``"cpu"`` allowed).
+        out_axes: an int, ``None``, or a tree prefix of the trees. Int: tensors are concatenated
+            along that dim (0-dim tensors are stacked into a vector). ``None``: the value of the
+            replica on ``device`` (else the first replica's, moved) is returned. Default: ``0``.
+
+    Returns:
+        One tree with the replicas' structure. Non-tensor leaves are returned once, and must
+        be equal on every replica.
+
+    Raises:
+        ValueError: the structures differ, non-tensor leaves differ, or tensors cannot be
+            concatenated.
+
+    Example:
+        >>> import torch, fdp
+        >>> fdp.gather([{"y": torch.zeros(2), "n": 1}, {"y": torch.ones(1), "n": 1}], "cpu")
+        {'y': tensor([0., 0., 1.]), 'n': 1}
+    """
+    caller = "fdp.gather"
+    if not trees:
+        raise ValueError(f"{caller} needs at least one tree, got an empty sequence")
+    destination = _devices.check_available(
+        _devices.parse_device(device, what=f"{caller} device"), what=f"{caller} device"
+    )
+    spec = _axes.check_spec(out_axes, what="out_axes")
+    return gather_outputs(list(trees), destination, spec, caller=caller)

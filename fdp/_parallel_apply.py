@@ -1,0 +1,77 @@
+"""``fdp.parallel_apply``: run prepared per-replica calls on the replica pool."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _devices, _pool, _tree
+
+__all__ = ["parallel_apply"]
+
+
+def _device_of(tree: Any) -> torch.device:
+    for leaf in _tree.flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def parallel_apply(
+    fns: Callable[..., Any] | Sequence[Callable[..., Any]],
+    inputs: Sequence[Any],
+    kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+    *,
+    devices: Sequence[_devices.DeviceLike] | None = None,
+) -> list[Any]:
+    """Calls ``fns[i](*inputs[i], **kwargs[i])`` for every ``i`` in parallel, one replica each.
+
+    The counterpart of ``torch.nn.parallel.parallel_apply`` on fdp's persistent replica threads:
+    the caller's grad mode, inference mode and autocast state (dtype included) apply in every
+    replica, and a failing replica's own exception object is re-raised, with notes naming the
+    replica, its device and the other replicas' failures.
+
+    Args:
+        fns: one callable for every replica, or one callable for all of them.
+        inputs: one entry per replica: a tuple of positional arguments, or a single argument.
+        kwargs: one dict of keyword arguments (or ``None``) per replica. Default: ``None``.
+        devices: the replicas' devices. Default: ``None``, the device of the first tensor in
+            each replica's inputs (CPU if it has none).
+
+    Returns:
+        The replicas' results, in order.
+
+    Example:
+        >>> import torch, fdp
+        >>> fdp.parallel_apply(torch.square, [(torch.tensor(2.0),), (torch.tensor(3.0),)],
+        ...                    devices=["cpu", "cpu"])
+        [tensor(4.), tensor(9.)]
+    """
+    caller = "fdp.parallel_apply"
+    n = len(inputs)
+    if n == 0:
+        raise ValueError(f"{caller} needs at least one input, got an empty sequence")
+    if isinstance(fns, (list, tuple, nn.ModuleList)):
+        fns = list(fns)
+    elif callable(fns):
+        fns = [fns] * n
+    else:
+        raise TypeError(f"{caller}: fns must be a callable or a sequence of them, got {fns!r}")
+    if len(fns) != n:
+        raise ValueError(f"{caller} got {len(fns)} functions for {n} inputs")
+    per_kwargs: Sequence[Mapping[str, Any] | None] = [None] * n if kwargs is None else kwargs
+    if len(per_kwargs) != n:
+        raise ValueError(f"{caller} got {len(per_kwargs)} kwargs for {n} inputs")
+    args = [x if isinstance(x, tuple) else (x,) for x in inputs]
+    if devices is None:
+        resolved = tuple(_device_of((a, k)) for a, k in zip(args, per_kwargs))
+    else:
+        resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
+        if len(resolved) != n:
+            raise ValueError(f"{caller} got {len(resolved)} devices for {n} inputs")
+    replicas = [functools.partial(fn, *a, **(k or {})) for fn, a, k in zip(fns, args, per_kwargs)]
+    return _pool.run_replicas(resolved, replicas, caller=caller)

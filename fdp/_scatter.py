@@ -1,0 +1,218 @@
+"""Scatter and replicate: from one tree to one tree per replica.
+
+:func:`scatter_leaves` is the one place where inputs are validated and split; ``fdp.pmap`` and
+the public :func:`scatter` both use it. Mapped tensor leaves are cut along their axis with the
+split rule; ``None``-axis tensors are copied to every device (replicas on one device share the
+tensor); every other leaf (numbers, strings, arbitrary objects) reaches every replica as the
+same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _axes, _devices, _split, _transfer, _tree
+
+__all__ = ["scatter", "replicate", "scatter_leaves", "Scattered"]
+
+
+class Scattered:
+    """The result of :func:`scatter_leaves`."""
+
+    __slots__ = ("leaves", "devices", "sizes", "shared")
+
+    def __init__(
+        self,
+        leaves: list[list[Any]],
+        devices: tuple[torch.device, ...],
+        sizes: tuple[int, ...],
+        shared: list[tuple[int, list[torch.Tensor]]],
+    ) -> None:
+        self.leaves = leaves  # leaves[r] is replica r's list of leaves
+        self.devices = devices  # the devices of the replicas that run
+        self.sizes = sizes  # rows per replica
+        self.shared = shared  # (leaf index, per-replica copies) of every replicated tensor
+
+
+def scatter_leaves(
+    leaves: Sequence[Any],
+    axes: Sequence[Any],
+    devices: tuple[torch.device, ...],
+    split: _split.SplitRule,
+    *,
+    caller: str,
+    paths: Callable[[], list[str]],
+) -> Scattered:
+    """Splits mapped tensor leaves and replicates the others; one leaf list per replica.
+
+    ``paths()`` gives every leaf's key path; it is only called to write an error message.
+    """
+    mapped: list[tuple[int, int]] = []  # (leaf index, non-negative axis)
+    replicated: list[int] = []
+    batch: int | None = None
+    for k, (leaf, axis) in enumerate(zip(leaves, axes)):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if axis is _axes.BROADCAST:
+            replicated.append(k)
+            continue
+        dim = _axes.normalize_axis(axis, leaf.dim())
+        if dim is None:
+            raise ValueError(
+                f"{caller} was asked to map {paths()[k]} of type {_tree.describe(leaf)} along "
+                f"axis {axis}, so its rank should be at least "
+                f"{axis + 1 if axis >= 0 else -axis}, but it is only {leaf.dim()}"
+            )
+        size = leaf.shape[dim]
+        if batch is None:
+            batch = size
+        elif size != batch:
+            batch = -1  # sizes disagree: reported below with every leaf
+        mapped.append((k, dim))
+
+    if batch is None:
+        raise ValueError(
+            f"{caller} found no tensor to map: every tensor argument has axis None (or there is "
+            "none), so there is no batch to split over the replicas. Give at least one tensor an "
+            "int axis in in_axes."
+        )
+    if batch < 0:
+        raise ValueError(_inconsistent_sizes_message(leaves, mapped, caller, paths()))
+    if batch == 0:
+        k, dim = mapped[0]
+        raise ValueError(
+            f"{caller} got an empty batch: axis {dim} of {paths()[k]} of type "
+            f"{_tree.describe(leaves[k])} has size 0, and there is nothing to give the replicas"
+        )
+
+    sizes = _split.shard_sizes(batch, len(devices), split)
+    n = len(sizes)
+    run_on = devices[:n]
+    rows: list[list[Any]] = [list(leaves) for _ in range(n)]
+    for k, dim in mapped:
+        for r, shard in enumerate(_transfer.split_to(leaves[k], dim, sizes, run_on)):
+            rows[r][k] = shard
+    shared: list[tuple[int, list[torch.Tensor]]] = []
+    if replicated:
+        copies = _transfer.broadcast([leaves[k] for k in replicated], run_on)
+        for j, k in enumerate(replicated):
+            per_replica = [copies[r][j] for r in range(n)]
+            for r in range(n):
+                rows[r][k] = per_replica[r]
+            shared.append((k, per_replica))
+    return Scattered(rows, run_on, sizes, shared)
+
+
+def _inconsistent_sizes_message(
+    leaves: Sequence[Any], mapped: list[tuple[int, int]], caller: str, paths: list[str]
+) -> str:
+    """JAX's message: the most common size first, then each other size with its leaves."""
+    by_size: dict[int, list[tuple[int, int]]] = {}
+    for k, dim in mapped:
+        by_size.setdefault(leaves[k].shape[dim], []).append((k, dim))
+    groups = sorted(by_size.items(), key=lambda item: -len(item[1]))
+
+    def where(k: int, dim: int) -> str:
+        return f"axis {dim} of {paths[k]} of type {_tree.describe(leaves[k])}"
+
+    lines = [f"{caller} got inconsistent sizes for array axes to be mapped:"]
+    for rank, (size, members) in enumerate(groups):
+        count = len(members)
+        if rank == 0 and count > 1:
+            lines.append(f"  * most axes ({count} of them) had size {size}, e.g. {where(*members[0])};")
+        elif count == 1:
+            lines.append(f"  * one axis had size {size}: {where(*members[0])};")
+        else:
+            lines.append(f"  * some axes ({count} of them) had size {size}, e.g. {where(*members[0])};")
+    lines[-1] = lines[-1].rstrip(";")
+    return "\n".join(lines)
+
+
+def scatter(
+    tree: Any,
+    devices: Sequence[_devices.DeviceLike],
+    *,
+    in_axes: Any = 0,
+    split: _split.SplitRule = "chunk",
+) -> list[Any]:
+    """Splits a tree over devices: one tree per replica, differentiably.
+
+    The pytree-generic, CPU-capable counterpart of ``torch.nn.parallel.scatter``. Tensor leaves
+    with an int axis are cut along it by the split rule and moved to the replica's device;
+    tensor leaves with axis ``None`` are copied whole to every device; other leaves reach every
+    replica unchanged. Gradients flow back to the original tensors.
+
+    Args:
+        tree: any pytree: dicts, lists, tuples, namedtuples, plain dataclasses, optree-registered
+            types.
+        devices: the devices to split over (ints are CUDA indices; duplicates allowed).
+        in_axes: an int, ``None``, or a tree prefix of ``tree`` of them. Default: ``0``.
+        split: ``"chunk"`` (``torch.chunk``'s rule, fewer replicas than devices for small
+            batches) or ``"balanced"`` (sizes differ by at most one). Default: ``"chunk"``.
+
+    Returns:
+        A list with one tree per replica that runs (``len <= len(devices)``).
+
+    Raises:
+        ValueError: mapped leaves disagree in size, a leaf's rank is too small, the batch is
+            empty, or ``in_axes`` is not a prefix of ``tree``.
+
+    Example:
+        >>> import torch, fdp
+        >>> shards = fdp.scatter({"x": torch.arange(5), "tag": "a"}, ["cpu", "cpu"])
+        >>> [s["x"].tolist() for s in shards], [s["tag"] for s in shards]
+        ([[0, 1, 2], [3, 4]], ['a', 'a'])
+    """
+    caller = "fdp.scatter"
+    resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
+    split = _split.check_split(split, what=f"{caller} split")
+    spec = _axes.check_spec(in_axes, what="in_axes")
+    leaves, treespec = _tree.flatten(tree)
+    axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree")
+    result = scatter_leaves(
+        leaves,
+        axes,
+        resolved,
+        split,
+        caller=caller,
+        paths=lambda: _tree.flatten_with_paths(tree, "tree")[0],
+    )
+    return [_tree.unflatten(treespec, row) for row in result.leaves]
+
+
+def replicate(tree: Any, devices: Sequence[_devices.DeviceLike]) -> list[Any]:
+    """One copy of ``tree`` per device, differentiably.
+
+    The pytree counterpart of ``torch.nn.parallel.replicate``: every tensor leaf is copied to
+    each device (between GPUs with one coalesced broadcast); a tensor already on a device is
+    used as it is there, and duplicate devices share one copy. Gradients of the copies sum into
+    the original. Non-tensor leaves are shared.
+
+    Args:
+        tree: any pytree, e.g. ``dict(model.named_parameters())``.
+        devices: the target devices (ints are CUDA indices; duplicates allowed).
+
+    Returns:
+        A list with one tree per device.
+
+    Example:
+        >>> import torch, fdp
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> copies = fdp.replicate({"w": w}, ["cpu", "cpu"])
+        >>> copies[0]["w"] is w, len(copies)
+        (True, 2)
+    """
+    resolved = _devices.resolve_devices(devices, what="fdp.replicate devices")
+    leaves, treespec = _tree.flatten(tree)
+    tensor_slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    copies = _transfer.broadcast([leaves[k] for k in tensor_slots], resolved)
+    result = []
+    for r in range(len(resolved)):
+        row = list(leaves)
+        for j, k in enumerate(tensor_slots):
+            row[k] = copies[r][j]
+        result.append(_tree.unflatten(treespec, row))
+    return result

@@ -1,0 +1,172 @@
+"""Differentiable moves of tensors between devices.
+
+Three shapes of traffic, each with a CUDA path and a plain path:
+
+* :func:`split_to` cuts one tensor into shards, one per device (scatter);
+* :func:`broadcast` gives several devices a copy of several tensors (replicate);
+* :func:`gather_to` joins shards on one device (gather).
+
+Between CUDA devices they use the primitives made for this, ``torch.cuda.comm`` (scatter, gather,
+NCCL-backed coalesced broadcast and coalesced reduce-add), wrapped in autograd functions whose
+backward is the mirror transfer, so double backward works. Everywhere else (CPU, mixed targets)
+they are plain ``torch.split``/``Tensor.to``/``torch.cat``, which autograd already differentiates.
+A tensor whose target is the device it is on is never copied: replicas that share a device
+share the tensor.
+
+All transfers are issued from the caller's thread on the current stream of each device; the
+replica workers wait on those streams before they start (see ``_pool``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.cuda.comm
+from torch.autograd import Function
+
+__all__ = ["to_device", "split_to", "broadcast", "gather_to"]
+
+# Indirection so tests can exercise the autograd wiring with a CPU stand-in for torch.cuda.comm.
+_comm: Any = torch.cuda.comm
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor.to(device)``, non-blocking when the source is pinned host memory."""
+    if tensor.device == device:
+        return tensor
+    non_blocking = device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned()
+    return tensor.to(device, non_blocking=non_blocking)
+
+
+def _all_cuda(devices: Sequence[torch.device]) -> bool:
+    return all(d.type == "cuda" for d in devices)
+
+
+class _CudaScatter(Function):
+    """Splits one tensor (CPU or CUDA) into shards on CUDA devices; backward gathers."""
+
+    @staticmethod
+    def forward(ctx, devices, sizes, dim, tensor):  # type: ignore[override]
+        ctx.dim = dim
+        ctx.source = tensor.device
+        return tuple(_comm.scatter(tensor, devices=devices, chunk_sizes=sizes, dim=dim))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return None, None, None, _CudaGather.apply(ctx.source, ctx.dim, *grads)
+
+
+class _CudaGather(Function):
+    """Joins CUDA shards on one device (CUDA or CPU); backward scatters."""
+
+    @staticmethod
+    def forward(ctx, destination, dim, *tensors):  # type: ignore[override]
+        ctx.dim = dim
+        ctx.devices = [t.device for t in tensors]
+        ctx.sizes = [t.size(dim) for t in tensors]
+        return _comm.gather(tensors, dim=dim, destination=destination)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (None, None) + _CudaScatter.apply(ctx.devices, ctx.sizes, ctx.dim, grad)
+
+
+class _CudaBroadcast(Function):
+    """Copies tensors that live on ``devices[0]`` to every device in ``devices`` (distinct GPUs).
+
+    Returns the copies device-major: all tensors for ``devices[0]``, then for ``devices[1]``...
+    Backward sums the gradients back onto ``devices[0]`` with one coalesced reduction.
+    """
+
+    @staticmethod
+    def forward(ctx, devices, *tensors):  # type: ignore[override]
+        ctx.source = devices[0]
+        ctx.count = len(tensors)
+        copies = _comm.broadcast_coalesced(tensors, devices)
+        frozen = [
+            per_device[i]
+            for i, needs_grad in enumerate(ctx.needs_input_grad[1:])
+            if not needs_grad
+            for per_device in copies
+        ]
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(t for per_device in copies for t in per_device)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None,) + _CudaReduceAdd.apply(ctx.source, ctx.count, *grads)
+
+
+class _CudaReduceAdd(Function):
+    """Sums device-major groups of ``count`` tensors onto ``destination``; backward broadcasts."""
+
+    @staticmethod
+    def forward(ctx, destination, count, *grads):  # type: ignore[override]
+        groups = [grads[i : i + count] for i in range(0, len(grads), count)]
+        ctx.devices = [group[0].device for group in groups]
+        return tuple(_comm.reduce_add_coalesced(groups, destination))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, None) + _CudaBroadcast.apply(ctx.devices, *grads)
+
+
+def split_to(
+    tensor: torch.Tensor, dim: int, sizes: Sequence[int], devices: Sequence[torch.device]
+) -> list[torch.Tensor]:
+    """Shards of ``tensor`` along ``dim`` with the given sizes, shard ``i`` on ``devices[i]``."""
+    if len(sizes) == 1:
+        return [to_device(tensor, devices[0])]
+    if _all_cuda(devices) and tensor.device.type in ("cpu", "cuda"):
+        return list(_CudaScatter.apply(list(devices), list(sizes), dim, tensor))
+    return [to_device(shard, d) for shard, d in zip(torch.split(tensor, list(sizes), dim), devices)]
+
+
+def broadcast(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[list[torch.Tensor]]:
+    """A copy of every tensor on every device: ``result[r][i]`` is tensor ``i`` on ``devices[r]``.
+
+    Duplicate devices share one copy; a tensor already on a target device is used as it is.
+    """
+    unique = list(dict.fromkeys(devices))
+    placed: dict[torch.device, list[torch.Tensor | None]] = {d: [None] * len(tensors) for d in unique}
+    cuda_targets = [d for d in unique if d.type == "cuda"]
+    if len(cuda_targets) >= 2:
+        _broadcast_cuda(tensors, cuda_targets, placed)
+    for d in unique:
+        slots = placed[d]
+        for i, t in enumerate(tensors):
+            if slots[i] is None:
+                slots[i] = to_device(t, d)
+    return [placed[d] for d in devices]  # type: ignore[misc]
+
+
+def _broadcast_cuda(
+    tensors: Sequence[torch.Tensor],
+    targets: list[torch.device],
+    placed: dict[torch.device, list[torch.Tensor | None]],
+) -> None:
+    """Fills ``placed`` for the CUDA targets with one coalesced broadcast per source device."""
+    by_source: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        # A tensor on a CUDA target is broadcast from there; any other is first moved to the
+        # first target (one host-to-device copy) and broadcast from that device.
+        source = t.device if t.device in targets else targets[0]
+        by_source.setdefault(source, []).append(i)
+    for source, indices in by_source.items():
+        order = [source] + [d for d in targets if d != source]
+        inputs = [to_device(tensors[i], source) for i in indices]
+        copies = _CudaBroadcast.apply(order, *inputs)
+        for r, d in enumerate(order):
+            for j, i in enumerate(indices):
+                placed[d][i] = copies[r * len(indices) + j]
+
+
+def gather_to(tensors: Sequence[torch.Tensor], dim: int, destination: torch.device) -> torch.Tensor:
+    """Concatenates ``tensors`` along ``dim`` on ``destination``."""
+    if len(tensors) == 1:
+        return to_device(tensors[0], destination)
+    if _all_cuda([t.device for t in tensors]) and destination.type in ("cpu", "cuda"):
+        return _CudaGather.apply(destination, dim, *tensors)
+    return torch.cat([to_device(t, destination) for t in tensors], dim)

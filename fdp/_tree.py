@@ -1,0 +1,150 @@
+"""Pytree handling on top of optree: one namespace, dataclasses without registration, key paths.
+
+fdp never walks containers by hand. Every flatten goes through :func:`flatten`, which uses
+optree in the ``"fdp"`` namespace (:data:`NAMESPACE`): optree's built-in containers and the
+types users register with ``optree.register_pytree_node(..., namespace="fdp")`` are nodes.
+Plain ``@dataclass`` instances, which optree treats as leaves, are registered in that namespace
+the first time one is seen, so users never have to register them and their fields are
+scattered like any other container's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+__all__ = [
+    "NAMESPACE",
+    "flatten",
+    "unflatten",
+    "flatten_with_paths",
+    "describe",
+    "is_tensor",
+]
+
+NAMESPACE = "fdp"
+"""The optree namespace fdp flattens in: register custom containers there."""
+
+# Types known to be leaves, so the per-call dataclass check is one set lookup per leaf.
+_LEAF_TYPES: set[type] = {
+    torch.Tensor,
+    torch.nn.Parameter,
+    int,
+    float,
+    bool,
+    complex,
+    str,
+    bytes,
+    type(None),
+    torch.device,
+    torch.dtype,
+}
+_REGISTERED: set[type] = set()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def is_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _register_dataclass(cls: type) -> None:
+    """Registers a dataclass in the fdp namespace: init fields are children, rebuilt with cls(**fields).
+
+    This follows ``optree.dataclasses.register_node`` (fields whose ``metadata['pytree_node']``
+    is False are metadata) without marking the user's class, so the user stays free to register
+    it in their own namespace later.
+    """
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is not None and not params.init:
+        raise TypeError(
+            f"fdp cannot split the dataclass {cls.__qualname__}: it has no generated __init__ "
+            "to rebuild it with. Register it with optree.register_pytree_node (namespace='') "
+            "to say how to flatten and rebuild it."
+        )
+    initvars = [
+        f.name
+        for f in cls.__dataclass_fields__.values()  # type: ignore[attr-defined]
+        if f._field_type is dataclasses._FIELD_INITVAR  # type: ignore[attr-defined]
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if initvars:
+        raise TypeError(
+            f"fdp cannot split the dataclass {cls.__qualname__}: its InitVar field(s) "
+            f"{initvars} are not stored on the instance, so it cannot be rebuilt. Register it "
+            "with optree.register_pytree_node (namespace='') to say how to flatten and rebuild it."
+        )
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    metadata = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+
+    def flatten_fields(obj: Any) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...], tuple[str, ...]]:
+        return (
+            tuple(getattr(obj, name) for name in children),
+            tuple((name, getattr(obj, name)) for name in metadata),
+            children,
+        )
+
+    def rebuild(meta: tuple[tuple[str, Any], ...], values: tuple[Any, ...]) -> Any:
+        kwargs = dict(zip(children, values))
+        kwargs.update(meta)
+        return cls(**kwargs)
+
+    optree.register_pytree_node(
+        cls,  # type: ignore[arg-type]
+        flatten_fields,  # type: ignore[arg-type]
+        rebuild,  # type: ignore[arg-type]
+        path_entry_type=optree.DataclassEntry,
+        namespace=NAMESPACE,
+    )
+
+
+def _register_new_dataclasses(leaves: Sequence[Any]) -> bool:
+    """Registers the dataclass types among ``leaves``; True if any was new."""
+    new = False
+    for leaf in leaves:
+        cls = type(leaf)
+        if cls in _LEAF_TYPES or cls in _REGISTERED:
+            continue
+        if not dataclasses.is_dataclass(cls) or isinstance(leaf, type):
+            _LEAF_TYPES.add(cls)
+            continue
+        with _REGISTRY_LOCK:
+            if cls not in _REGISTERED:
+                _register_dataclass(cls)
+                _REGISTERED.add(cls)
+        new = True
+    return new
+
+
+def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` in the fdp namespace, registering plain dataclasses on first sight."""
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    # A newly registered dataclass may hold further dataclasses: flatten until none is left.
+    while _register_new_dataclasses(leaves):
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    return leaves, spec
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    return optree.tree_unflatten(spec, leaves)
+
+
+def flatten_with_paths(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """Like :func:`flatten`, with each leaf's key path written as code, e.g. ``args[0]['w']``."""
+    flatten(tree)  # registers dataclasses first
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    return [accessor.codify(root) for accessor in accessors], leaves, spec
+
+
+def describe(value: object) -> str:
+    """A short description for error messages: ``float32[8,4]`` for tensors, else the type."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}[{','.join(str(s) for s in value.shape)}]"
+    return type(value).__name__

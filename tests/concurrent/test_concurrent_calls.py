@@ -1,0 +1,85 @@
+"""Many threads calling pmapped functions at once get what sequential calls get."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from helpers import cpus
+
+import fdp
+
+THREADS = 8
+
+
+def run_in_threads(work: Callable[[int], Any], threads: int = THREADS) -> list[Any]:
+    results: list[Any] = [None] * threads
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def target(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = work(i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    pool = [threading.Thread(target=target, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in pool), "a caller thread hung"
+    assert errors == []
+    return results
+
+
+def test_one_function_from_eight_threads() -> None:
+    w = torch.randn(6, 4)
+
+    @fdp.pmap(in_axes=(0, None), devices=cpus(3))
+    def predict(x, w):
+        return torch.tanh(x @ w)
+
+    inputs = [torch.randn(5 + i, 6) for i in range(THREADS)]
+    expected = [predict(x, w) for x in inputs]
+    got = run_in_threads(lambda i: [predict(inputs[i], w) for _ in range(20)])
+    for i in range(THREADS):
+        for out in got[i]:
+            torch.testing.assert_close(out, expected[i])
+
+
+def test_different_functions_and_device_counts_from_eight_threads() -> None:
+    functions = [fdp.pmap(lambda x, k=k: x * k, devices=cpus(1 + k % 4)) for k in range(THREADS)]
+    x = torch.arange(12.0)
+    got = run_in_threads(lambda i: [functions[i](x) for _ in range(20)])
+    for i in range(THREADS):
+        assert all(torch.equal(out, x * i) for out in got[i])
+
+
+def test_concurrent_backward() -> None:
+    f = fdp.pmap(lambda x, w: (x @ w).square(), in_axes=(0, None), devices=cpus(2))
+    xs = [torch.randn(7, 3) for _ in range(THREADS)]
+
+    def grad_of(i: int) -> torch.Tensor:
+        w = torch.ones(3, 2, requires_grad=True)
+        f(xs[i], w).sum().backward()
+        return w.grad
+
+    got = run_in_threads(grad_of)
+    for i in range(THREADS):
+        w = torch.ones(3, 2, requires_grad=True)
+        (xs[i] @ w).square().sum().backward()
+        torch.testing.assert_close(got[i], w.grad)
+
+
+def test_module_from_eight_threads_with_different_params() -> None:
+    model = torch.nn.Linear(4, 4)
+    params = [{"weight": torch.full((4, 4), float(i)), "bias": torch.zeros(4)} for i in range(THREADS)]
+    f = fdp.pmap(model, devices=cpus(2))
+    x = torch.ones(6, 4)
+    got = run_in_threads(lambda i: [f(params[i], x) for _ in range(10)])
+    for i in range(THREADS):
+        assert all(torch.equal(out, torch.full((6, 4), 4.0 * i)) for out in got[i])

@@ -1,0 +1,138 @@
+"""Gradients through fdp.pmap equal the one-device computation's; torch.func inside replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import cpus
+from torch import nn
+
+import fdp
+
+
+def mlp_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    hidden = torch.tanh(x @ params["w1"] + params["b1"])
+    return ((hidden @ params["w2"] - y) ** 2).sum(-1)
+
+
+def make_params() -> dict[str, torch.Tensor]:
+    return {
+        "w1": torch.randn(5, 7, requires_grad=True),
+        "b1": torch.randn(7, requires_grad=True),
+        "w2": torch.randn(7, 3, requires_grad=True),
+    }
+
+
+@pytest.mark.parametrize("batch", [1, 7, 30])
+def test_backward_matches_one_device(devices: list[str], batch: int) -> None:
+    params = make_params()
+    x = torch.randn(batch, 5, requires_grad=True)
+    y = torch.randn(batch, 3)
+
+    per_row = fdp.pmap(mlp_loss, in_axes=(None, 0, 0), devices=devices)(params, x, y)
+    per_row.mean().backward()
+    got = {k: v.grad.clone() for k, v in params.items()} | {"x": x.grad.clone()}
+
+    for t in [*params.values(), x]:
+        t.grad = None
+    mlp_loss(params, x, y).mean().backward()
+    expected = {k: v.grad for k, v in params.items()} | {"x": x.grad}
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-5)
+
+
+def test_replicated_input_receives_the_sum_over_replicas() -> None:
+    w = torch.ones(3, requires_grad=True)
+    out = fdp.pmap(lambda x, w: w * 1.0, in_axes=(0, None), out_axes=0, devices=cpus(4))(torch.zeros(8), w)
+    assert out.shape == (12,)  # four replicas' (3,) outputs, concatenated
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 4.0))
+
+
+def test_unused_replicated_input_gets_no_grad() -> None:
+    used, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    out = fdp.pmap(lambda x, u, v: x * u.sum(), in_axes=(0, None, None), devices=cpus(2))(
+        torch.ones(4), used, unused
+    )
+    out.sum().backward()
+    assert unused.grad is None and used.grad is not None
+
+
+def test_double_backward_gradient_penalty(devices: list[str]) -> None:
+    # float64: the penalty's values are large enough for float32 summation order to show.
+    params = {k: v.detach().double().requires_grad_() for k, v in make_params().items()}
+    x = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(9, 3, dtype=torch.float64)
+
+    def penalty(loss_of_params):
+        (gx,) = torch.autograd.grad(loss_of_params.sum(), x, create_graph=True)
+        return (gx**2).sum()
+
+    mapped = fdp.pmap(mlp_loss, in_axes=(None, 0, 0), devices=devices)
+    grads = torch.autograd.grad(penalty(mapped(params, x, y)), list(params.values()))
+    expected = torch.autograd.grad(penalty(mlp_loss(params, x, y)), list(params.values()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+def test_torch_func_grad_inside_replicas(devices: list[str]) -> None:
+    params = {k: v.detach() for k, v in make_params().items()}
+    x, y = torch.randn(12, 5), torch.randn(12, 3)
+
+    def grads_of_sum(params, x, y):
+        grads = torch.func.grad(lambda p: mlp_loss(p, x, y).sum())(params)
+        return {k: g[None] for k, g in grads.items()}  # one row per replica
+
+    per_replica = fdp.pmap(grads_of_sum, in_axes=(None, 0, 0), devices=devices)(params, x, y)
+    total = {k: g.sum(0) for k, g in per_replica.items()}
+    expected = torch.func.grad(lambda p: mlp_loss(p, x, y).sum())(params)
+    for k in expected:
+        torch.testing.assert_close(total[k], expected[k], atol=1e-5, rtol=1e-5)
+
+
+def test_vmap_and_functional_call_inside_replicas(devices: list[str]) -> None:
+    model = nn.Linear(4, 2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(10, 4)
+
+    def per_example(params, x):
+        return torch.func.vmap(lambda row: fdp.functional_call(model, params, (row,)))(x)
+
+    out = fdp.pmap(per_example, in_axes=(None, 0), devices=devices)(params, x)
+    torch.testing.assert_close(out, model(x), atol=1e-6, rtol=1e-5)
+
+
+def test_per_example_grads_with_vmap_of_grad(devices: list[str]) -> None:
+    params = {k: v.detach() for k, v in make_params().items()}
+    x, y = torch.randn(6, 5), torch.randn(6, 3)
+
+    def per_example_grads(params, x, y):
+        one = lambda p, xi, yi: mlp_loss(p, xi[None], yi[None]).sum()  # noqa: E731
+        return torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))(params, x, y)
+
+    got = fdp.pmap(per_example_grads, in_axes=(None, 0, 0), devices=devices)(params, x, y)
+    expected = per_example_grads(params, x, y)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=1e-5, rtol=1e-5)
+
+
+def test_outer_torch_func_transform_is_refused() -> None:
+    f = fdp.pmap(lambda x: x.sum(), devices=cpus(2), out_axes=None)
+    with pytest.raises(RuntimeError, match="called under a torch.func transform"):
+        torch.func.grad(lambda x: f(x))(torch.ones(4))
+    with pytest.raises(RuntimeError, match="called under a torch.func transform"):
+        torch.func.vmap(lambda x: f(x))(torch.ones(3, 4))
+
+
+def test_grad_mode_off_gives_no_graph() -> None:
+    w = torch.ones(3, requires_grad=True)
+    with torch.no_grad():
+        out = fdp.pmap(lambda x, w: x * w, in_axes=(0, None), devices=cpus(2))(torch.ones(4, 3), w)
+    assert not out.requires_grad
+
+
+def test_backward_on_a_subset_of_outputs() -> None:
+    x = torch.randn(8, 2, requires_grad=True)
+    a, b = fdp.pmap(lambda x: (x * 2, x * 3), devices=cpus(3))(x)
+    a.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((8, 2), 2.0))

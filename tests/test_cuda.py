@@ -1,0 +1,132 @@
+"""CUDA paths: two replicas on one GPU everywhere, distinct GPUs where there are several.
+
+Marked ``cuda``: skipped on machines without CUDA (CI). Run them on a GPU machine with
+``python -m pytest -m cuda``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import fdp
+
+pytestmark = pytest.mark.cuda
+
+TWO_ON_ONE = ["cuda:0", "cuda:0"]
+
+
+def several_gpus() -> list[str]:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        pytest.skip("needs two CUDA devices")
+    return [f"cuda:{i}" for i in range(count)]
+
+
+def test_cpu_input_is_scattered_to_the_gpu_and_gathered_there() -> None:
+    x = torch.randn(30, 5, requires_grad=True)
+    out = fdp.pmap(lambda x: x * 2 + 1, devices=TWO_ON_ONE)(x)
+    assert out.device == torch.device("cuda", 0)
+    torch.testing.assert_close(out.cpu(), x.detach() * 2 + 1)
+    out.sum().backward()
+    assert x.grad.device == torch.device("cpu")
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_output_device_cpu() -> None:
+    out = fdp.pmap(lambda x: x.square(), devices=TWO_ON_ONE, output_device="cpu")(torch.arange(6.0))
+    assert out.device == torch.device("cpu")
+    torch.testing.assert_close(out, torch.arange(6.0).square())
+
+
+def test_pinned_input() -> None:
+    x = torch.randn(64, 8).pin_memory()
+    torch.testing.assert_close(fdp.pmap(lambda x: x + 1, devices=TWO_ON_ONE)(x).cpu(), x + 1)
+
+
+@pytest.mark.parametrize("devices", ["two_on_one", "several"])
+def test_module_outputs_and_grads_match_one_gpu(devices: str) -> None:
+    targets = TWO_ON_ONE if devices == "two_on_one" else several_gpus()
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)).cuda()
+    params = dict(model.named_parameters())
+    x = torch.randn(30, 8, device="cuda")
+    out = fdp.pmap(model, devices=targets)(params, x)
+    out.square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in params.items()}
+    model.zero_grad()
+    expected = model(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    for k, p in params.items():
+        assert grads[k].device == p.device
+        torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_lstm_on_two_replicas_of_one_gpu() -> None:
+    lstm = nn.LSTM(4, 8, batch_first=True).cuda()
+    params = dict(lstm.named_parameters())
+    x = torch.randn(10, 6, 4, device="cuda")
+    out, (h, c) = fdp.pmap(lstm, devices=TWO_ON_ONE, out_axes=(0, 1))(params, x)
+    expected, (eh, ec) = lstm(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(h, eh, atol=1e-5, rtol=1e-4)
+
+
+def test_workers_run_on_their_own_streams() -> None:
+    seen: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def f(x):
+        with lock:
+            seen.append((threading.current_thread().name, torch.cuda.current_stream().cuda_stream))
+        return x
+
+    fdp.pmap(f, devices=["cuda:0"] * 3)(torch.zeros(3, device="cuda"))
+    caller = threading.current_thread().name
+    default = torch.cuda.current_stream().cuda_stream
+    worker_streams = {stream for name, stream in seen if name != caller}
+    assert len(worker_streams) == 2 and default not in worker_streams
+
+
+def test_bfloat16_autocast_reaches_the_replicas() -> None:
+    dtypes: list[torch.dtype] = []
+    lock = threading.Lock()
+
+    def f(x):
+        y = x @ x.T
+        with lock:
+            dtypes.append(y.dtype)
+        return y
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fdp.pmap(f, devices=["cuda:0"] * 3)(torch.randn(6, 4, device="cuda"))
+    assert dtypes == [torch.bfloat16] * 3
+
+
+def test_long_running_replica_results_are_synchronised() -> None:
+    # Heavy work on the worker streams: the gathered result must not be read before it is written.
+    a = torch.randn(8, 1024, 1024, device="cuda")
+
+    def f(x):
+        for _ in range(20):
+            x = x @ x.transpose(1, 2) / 1024
+        return x
+
+    out = fdp.pmap(f, devices=TWO_ON_ONE)(a)
+    torch.testing.assert_close(out, f(a), atol=1e-3, rtol=1e-3)
+
+
+def test_distinct_gpus_scatter_gather_replicate() -> None:
+    devices = several_gpus()
+    x = torch.randn(10, 3, device="cuda:0", requires_grad=True)
+    shards = fdp.scatter(x, devices)
+    assert [s.device for s in shards] == [torch.device(d) for d in devices][: len(shards)]
+    joined = fdp.gather(shards, "cuda:0")
+    torch.testing.assert_close(joined, x)
+    w = torch.randn(4, device="cuda:0", requires_grad=True)
+    copies = fdp.replicate({"w": w}, devices)
+    sum(c["w"].sum().to("cuda:0") for c in copies).backward()
+    torch.testing.assert_close(w.grad, torch.full_like(w, float(len(devices))))

@@ -1,0 +1,199 @@
+"""Bad input gets a clear error naming the argument; a failing replica's own exception reaches the caller."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import cpus
+
+import fdp
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def test_inconsistent_sizes_name_every_group() -> None:
+    f = fdp.pmap(lambda x, y, z: x, devices=cpus(2))
+    with pytest.raises(ValueError) as info:
+        f(torch.zeros(8, 4), {"a": torch.zeros(8), "b": torch.zeros(7)}, z=torch.zeros(8))
+    assert str(info.value) == (
+        "fdp.pmap(test_inconsistent_sizes_name_every_group.<locals>.<lambda>) got inconsistent "
+        "sizes for array axes to be mapped:\n"
+        "  * most axes (3 of them) had size 8, e.g. axis 0 of args[0] of type float32[8,4];\n"
+        "  * one axis had size 7: axis 0 of args[1]['b'] of type float32[7]"
+    )
+
+
+def test_rank_too_small_names_the_leaf_and_axis() -> None:
+    f = fdp.pmap(lambda x, s: x, in_axes=(1, 0), devices=cpus(2))
+    with pytest.raises(
+        ValueError,
+        match=r"map args\[1\]\['s'\] of type float32\[\] along axis 0, "
+        r"so its rank should be at least 1, but it is only 0",
+    ):
+        f(torch.zeros(3, 4), {"s": torch.tensor(1.0)})
+    with pytest.raises(
+        ValueError, match=r"map args\[0\] of type float32\[3\] along axis 1, so its rank should be at least 2"
+    ):
+        f(torch.zeros(3), {"s": torch.zeros(3)})
+    g = fdp.pmap(lambda x: x, in_axes=-3, devices=cpus(2))
+    with pytest.raises(ValueError, match="along axis -3, so its rank should be at least 3, but it is only 2"):
+        g(torch.zeros(3, 4))
+
+
+def test_empty_batch_is_an_error() -> None:
+    f = fdp.pmap(lambda x: x, devices=cpus(2))
+    with pytest.raises(
+        ValueError, match=r"empty batch: axis 0 of args\[0\] of type float32\[0,5\] has size 0"
+    ):
+        f(torch.zeros(0, 5))
+
+
+def test_nothing_mapped_is_an_error() -> None:
+    f = fdp.pmap(lambda x, n: x, in_axes=None, devices=cpus(2))
+    with pytest.raises(ValueError, match="found no tensor to map"):
+        f(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="found no tensor to map"):
+        fdp.pmap(lambda: 1, devices=cpus(2))()
+    with pytest.raises(ValueError, match="found no tensor to map"):
+        fdp.pmap(lambda n: n, devices=cpus(2))(5)
+
+
+def test_in_axes_not_a_prefix_names_the_key_path() -> None:
+    f = fdp.pmap(lambda x, y: x, in_axes=(0, 0, 0), devices=cpus(2))
+    with pytest.raises(
+        ValueError,
+        match=r"in_axes specification must be a tree prefix of the tuple of positional arguments \(2 given\)",
+    ) as info:
+        f(torch.zeros(2), torch.zeros(2))
+    assert "in_axes tree root" in str(info.value)
+    g = fdp.pmap(lambda x, y: x, in_axes=(0, {"a": 0}), devices=cpus(2))
+    with pytest.raises(ValueError, match=r"(?s)in_axes\[1\].*missing key\(s\):\n    \['a'\]"):
+        g(torch.zeros(2), {"b": torch.zeros(2)})
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("0", r"in_axes must be an int or None, got str: '0'"),
+        ((0, 1.0), r"in_axes\[1\] must be an int or None, got float"),
+        ((True,), r"in_axes\[0\] must be an int or None, got bool"),
+    ],
+)
+def test_in_axes_leaves_must_be_ints_or_none(spec: object, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        fdp.pmap(lambda x: x, in_axes=spec)
+
+
+def test_out_axes_leaves_must_be_ints_or_none() -> None:
+    with pytest.raises(TypeError, match=r"out_axes\['y'\] must be an int or None"):
+        fdp.pmap(lambda x: x, out_axes={"y": "0"})
+
+
+def test_unhashable_axis_name() -> None:
+    with pytest.raises(TypeError, match="axis_name must be hashable"):
+        fdp.pmap(lambda x: x, axis_name=["i"])
+
+
+def test_nested_pmap_is_refused() -> None:
+    inner = fdp.pmap(lambda x: x, devices=cpus(2))
+    outer = fdp.pmap(lambda x: inner(x), devices=cpus(2))
+    with pytest.raises(
+        RuntimeError,
+        match=r"called inside a function that is already running as replica \d of 2.*nested pmap",
+    ) as info:
+        outer(torch.zeros(4))
+    assert "fdp.pmap(test_nested_pmap_is_refused.<locals>.<lambda>)" in str(info.value)
+
+
+def test_failing_call_does_not_mutate_inputs() -> None:
+    x = torch.arange(6.0)
+    tree = {"x": x, "y": torch.zeros(5)}
+    before = {k: v.clone() for k, v in tree.items()}
+    with pytest.raises(ValueError):
+        fdp.pmap(lambda t: t, devices=cpus(2))(tree)
+    assert tree.keys() == before.keys() and all(torch.equal(tree[k], before[k]) for k in tree)
+
+
+# --- failures inside replicas ------------------------------------------------------------------
+
+
+class ReplicaError(Exception):
+    pass
+
+
+def test_original_exception_object_with_replica_note() -> None:
+    raised: list[BaseException] = []
+
+    def f(x):
+        if x[0] >= 2:  # only the second replica (rows 2, 3)
+            error = ReplicaError("boom")
+            raised.append(error)
+            raise error
+        return x
+
+    with pytest.raises(ReplicaError) as info:
+        fdp.pmap(f, devices=cpus(2))(torch.arange(4.0))
+    assert info.value is raised[0]
+    assert any("raised by replica 1 of 2 (device cpu)" in note for note in info.value.__notes__)
+
+
+def test_other_replicas_failures_are_reported_too() -> None:
+    def f(x):
+        raise ValueError(f"bad shard starting at {int(x[0])}")
+
+    with pytest.raises(ValueError, match="bad shard starting at 0") as info:
+        fdp.pmap(f, devices=cpus(3))(torch.arange(6.0))
+    notes = "\n".join(info.value.__notes__)
+    assert "raised by replica 0 of 3" in notes
+    assert "replica 1 (device cpu) also failed: ValueError: bad shard starting at 2" in notes
+    assert "replica 2 (device cpu) also failed: ValueError: bad shard starting at 4" in notes
+
+
+def test_pool_is_usable_after_a_failure(devices: list[str]) -> None:
+    calls = {"n": 0}
+
+    def flaky(x):
+        if calls["n"] == 0:
+            raise ReplicaError("first call fails")
+        return x * 2
+
+    f = fdp.pmap(flaky, devices=devices)
+    with pytest.raises(ReplicaError):
+        f(torch.ones(8))
+    calls["n"] = 1
+    torch.testing.assert_close(f(torch.ones(8)), torch.full((8,), 2.0))
+
+
+def test_keyboard_interrupt_in_a_replica_surfaces_as_itself() -> None:
+    # nn.DataParallel turns this into "KeyError: 1".
+    def f(x):
+        if x[0] > 0:
+            raise KeyboardInterrupt
+        return x
+
+    with pytest.raises(KeyboardInterrupt):
+        fdp.pmap(f, devices=cpus(2))(torch.arange(4.0))
+    torch.testing.assert_close(fdp.pmap(lambda x: x, devices=cpus(2))(torch.ones(2)), torch.ones(2))
+
+
+def test_slow_replica_is_waited_for() -> None:
+    def f(x):
+        if x[0] > 0:
+            time.sleep(0.2)
+        return x + 1
+
+    torch.testing.assert_close(fdp.pmap(f, devices=cpus(2))(torch.arange(4.0)), torch.arange(4.0) + 1)
+
+
+def test_failure_does_not_leak_threads(devices: list[str]) -> None:
+    f = fdp.pmap(lambda x: (_ for _ in ()).throw(ReplicaError("x")), devices=devices)
+    with pytest.raises(ReplicaError):
+        f(torch.ones(16))
+    count = threading.active_count()
+    for _ in range(5):
+        with pytest.raises(ReplicaError):
+            f(torch.ones(16))
+    assert threading.active_count() == count

@@ -1,0 +1,158 @@
+"""fdp.functional_call: torch.func.functional_call's results, safe in threads, never touching the module."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fdp
+from fdp import _functional_call
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.norm(self.fc(x)) * self.scale
+
+
+def random_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: torch.randn_like(v) for k, v in module.named_parameters()}
+
+
+def test_matches_torch_func() -> None:
+    net = Net().eval()
+    params = random_params(net)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(
+        fdp.functional_call(net, params, (x,)), torch.func.functional_call(net, params, (x,))
+    )
+    torch.testing.assert_close(
+        fdp.functional_call(net, params, x), torch.func.functional_call(net, params, x)
+    )
+
+
+def test_module_is_untouched() -> None:
+    net = Net()
+    before = {k: v for k, v in net.state_dict(keep_vars=True).items()}
+    fdp.functional_call(net, random_params(net), (torch.randn(5, 4),))
+    after = net.state_dict(keep_vars=True)
+    assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+
+
+def test_threads_never_see_each_others_weights() -> None:
+    # torch.func.functional_call swaps into the shared module: 20 of 40 results were wrong.
+    net = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    params = [{"weight": torch.full((8, 8), float(i)), "bias": torch.zeros(8)} for i in range(8)]
+    failures: list[int] = []
+    barrier = threading.Barrier(8)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        for _ in range(50):
+            out = fdp.functional_call(net, params[i], (x,))
+            if not torch.allclose(out, x @ params[i]["weight"].T):
+                failures.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_changes_to_the_module_between_calls_are_seen() -> None:
+    net = Net()
+    params = random_params(net)
+    x = torch.randn(6, 4)
+    fdp.functional_call(net, params, (x,))
+    net.eval()
+    net.scale = 3.0
+    torch.testing.assert_close(
+        fdp.functional_call(net, params, (x,)), torch.func.functional_call(net, params, (x,))
+    )
+    net.norm = nn.Identity()  # a replaced submodule: the skeleton is rebuilt
+    torch.testing.assert_close(
+        fdp.functional_call(net, params, (x,)), (x @ params["fc.weight"].T + params["fc.bias"]) * 3.0
+    )
+
+
+def test_parameters_not_given_come_from_the_module() -> None:
+    net = nn.Linear(3, 2)
+    weight = torch.zeros(2, 3)
+    torch.testing.assert_close(
+        fdp.functional_call(net, {"weight": weight}, (torch.ones(1, 3),)), net.bias.detach()[None]
+    )
+
+
+def test_tied_weights_and_strict() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2, bias=False)
+            self.b = nn.Linear(2, 2, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    net = Tied()
+    w = torch.eye(2) * 2
+    torch.testing.assert_close(
+        fdp.functional_call(net, {"a.weight": w}, (torch.ones(1, 2),)), torch.full((1, 2), 4.0)
+    )
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fdp.functional_call(net, {}, (torch.ones(1, 2),), strict=True)
+
+
+def test_lstm_uses_the_given_weights() -> None:
+    lstm = nn.LSTM(3, 4)
+    params = random_params(lstm)
+    x = torch.randn(2, 5, 3)
+    torch.testing.assert_close(
+        fdp.functional_call(lstm, params, (x,)), torch.func.functional_call(lstm, params, (x,))
+    )
+
+
+def test_skeletons_hold_no_tensor_memory_and_are_cached() -> None:
+    net = Net()
+    for _ in range(10):
+        fdp.functional_call(net, random_params(net), (torch.randn(5, 4),))
+    skeletons = _functional_call._FREE[net]
+    assert len(skeletons) == 1
+    root = skeletons[0].root
+    assert root is not net and root.fc is not net.fc
+    assert root.fc._parameters["weight"] is net.fc.weight  # the original tensor, no copy
+
+
+def test_skeletons_die_with_the_module() -> None:
+    net = Net()
+    fdp.functional_call(net, random_params(net), (torch.randn(5, 4),))
+    ref = weakref.ref(net)
+    del net
+    gc.collect()
+    assert ref() is None
+
+
+def test_grad_through_functional_call() -> None:
+    net = nn.Linear(3, 1)
+    params = {k: v.detach().requires_grad_() for k, v in net.named_parameters()}
+    x = torch.randn(4, 3)
+    grads = torch.func.grad(lambda p: fdp.functional_call(net, p, (x,)).sum())(params)
+    torch.testing.assert_close(grads["weight"], x.sum(0, keepdim=True))
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        fdp.functional_call(lambda x: x, {}, ())  # type: ignore[arg-type]

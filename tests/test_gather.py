@@ -1,0 +1,57 @@
+"""fdp.gather: concatenation along out_axes, 0-dim stacking, non-tensor leaves, structure checks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import fdp
+
+
+class Out(NamedTuple):
+    logits: torch.Tensor
+    loss: torch.Tensor
+    tag: str
+
+
+def test_gather_concatenates_and_stacks() -> None:
+    parts = [Out(torch.ones(2, 3), torch.tensor(1.0), "a"), Out(torch.zeros(1, 3), torch.tensor(2.0), "a")]
+    out = fdp.gather(parts, "cpu")
+    assert isinstance(out, Out) and out.tag == "a"
+    torch.testing.assert_close(out.logits, torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
+    torch.testing.assert_close(out.loss, torch.tensor([1.0, 2.0]))
+
+
+def test_gather_out_axes_prefix() -> None:
+    parts = [(torch.ones(3, 2), torch.full((4,), 5.0)), (torch.zeros(3, 1), torch.full((4,), 5.0))]
+    cat, same = fdp.gather(parts, "cpu", out_axes=(1, None))
+    assert cat.shape == (3, 3)
+    torch.testing.assert_close(same, torch.full((4,), 5.0))
+
+
+def test_gather_is_differentiable() -> None:
+    a = torch.ones(2, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    (fdp.gather([a, b], "cpu") * torch.arange(5.0)).sum().backward()
+    torch.testing.assert_close(a.grad, torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(b.grad, torch.tensor([2.0, 3.0, 4.0]))
+
+
+def test_gather_errors() -> None:
+    with pytest.raises(ValueError, match="outputs of different structure"):
+        fdp.gather([{"a": torch.ones(1)}, {"b": torch.ones(1)}], "cpu")
+    with pytest.raises(ValueError, match=r"different non-tensor values at output\[1\]"):
+        fdp.gather([(torch.ones(1), "x"), (torch.ones(1), "y")], "cpu")
+    with pytest.raises(
+        ValueError, match=r"a mix of tensors and other values at output\[0\] \(float32\[1\], int\)"
+    ):
+        fdp.gather([[torch.ones(1)], [3]], "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"cannot concatenate output along axis 0: the replicas returned float32\[1,2\], float32\[1,3\]",
+    ):
+        fdp.gather([torch.ones(1, 2), torch.ones(1, 3)], "cpu")
+    with pytest.raises(ValueError, match="at least one tree"):
+        fdp.gather([], "cpu")

@@ -1,0 +1,96 @@
+"""Real layers under fdp.pmap: outputs and gradients against the same module on one device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from helpers import assert_trees_close, cpus
+from torch import nn
+
+import fdp
+
+
+def scalar_loss(tree: Any) -> torch.Tensor:
+    leaves = [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum((t.sin() * (1 + torch.arange(t.numel()).reshape(t.shape) % 3)).sum() for t in leaves)
+
+
+def check_against_one_device(
+    module: nn.Module,
+    make_input: Callable[[], torch.Tensor],
+    devices: list[str],
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    atol: float = 1e-5,
+) -> None:
+    module.zero_grad()
+    params = dict(module.named_parameters()) | dict(module.named_buffers())
+    x = make_input()
+    x_ref = x.detach().clone().requires_grad_(x.is_floating_point())
+    if x.is_floating_point():
+        x.requires_grad_()
+
+    out = fdp.pmap(module, in_axes=in_axes, out_axes=out_axes, devices=devices)(params, x)
+    scalar_loss(out).backward()
+    grads = {k: p.grad.clone() for k, p in module.named_parameters()}
+    module.zero_grad()
+
+    expected = module(x_ref)
+    scalar_loss(expected).backward()
+    assert_trees_close(out, expected, atol=atol, rtol=1e-4)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=1e-4, msg=name)
+    if x.is_floating_point():
+        torch.testing.assert_close(x.grad, x_ref.grad, atol=atol, rtol=1e-4)
+
+
+def test_linear(devices: list[str]) -> None:
+    check_against_one_device(nn.Linear(5, 3), lambda: torch.randn(30, 5), devices)
+
+
+def test_conv2d(devices: list[str]) -> None:
+    check_against_one_device(nn.Conv2d(3, 4, 3, padding=1), lambda: torch.randn(10, 3, 8, 8), devices)
+
+
+def test_lstm_time_major_maps_axis_1(devices: list[str]) -> None:
+    lstm = nn.LSTM(4, 6, num_layers=2)
+    # output (T, B, H) and (h, c) of shape (layers, B, H): the batch is axis 1 everywhere.
+    check_against_one_device(lstm, lambda: torch.randn(5, 11, 4), devices, in_axes=1, out_axes=1)
+
+
+def test_lstm_batch_first(devices: list[str]) -> None:
+    lstm = nn.LSTM(4, 6, batch_first=True)
+    check_against_one_device(lstm, lambda: torch.randn(11, 5, 4), devices, out_axes=(0, 1))
+
+
+def test_transformer_encoder_layer(devices: list[str]) -> None:
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    check_against_one_device(layer, lambda: torch.randn(9, 7, 16), devices)
+
+
+def test_embedding(devices: list[str]) -> None:
+    check_against_one_device(nn.Embedding(20, 6), lambda: torch.randint(0, 20, (13, 4)), devices)
+
+
+@pytest.mark.parametrize("make_layer", [nn.BatchNorm1d, nn.BatchNorm2d], ids=["1d", "2d"])
+def test_batchnorm_eval(devices: list[str], make_layer: Callable[[int], nn.Module]) -> None:
+    layer = make_layer(5)
+    layer.running_mean.uniform_(-1, 1)
+    layer.running_var.uniform_(0.5, 2)
+    layer.eval()
+    shape = (12, 5) if isinstance(layer, nn.BatchNorm1d) else (12, 5, 3, 3)
+    check_against_one_device(layer, lambda: torch.randn(*shape), devices)
+
+
+def test_batchnorm_train_mode_is_refused_not_corrupted() -> None:
+    layer = nn.BatchNorm1d(5)
+    params = dict(layer.named_parameters()) | dict(layer.named_buffers())
+    with pytest.raises(
+        RuntimeError, match=r"modified params\['(running_mean|running_var|num_batches_tracked)'\] in place"
+    ):
+        fdp.pmap(layer, devices=cpus(2))(params, torch.randn(8, 5))

@@ -1,0 +1,67 @@
+"""fdp.parallel_apply: per-replica calls on the persistent pool, with the caller's state and errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import cpus
+from torch import nn
+
+import fdp
+
+
+def test_applies_each_function_to_its_inputs() -> None:
+    mods = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    inputs = [torch.randn(3, 2), torch.randn(4, 2)]
+    out = fdp.parallel_apply(mods, inputs, devices=cpus(2))
+    for o, m, x in zip(out, mods, inputs):
+        torch.testing.assert_close(o, m(x))
+
+
+def test_one_function_kwargs_and_inferred_devices() -> None:
+    out = fdp.parallel_apply(lambda x, *, k: x * k, [(torch.ones(1),), torch.ones(2)], [{"k": 2}, {"k": 3}])
+    torch.testing.assert_close(out[0], torch.full((1,), 2.0))
+    torch.testing.assert_close(out[1], torch.full((2,), 3.0))
+
+
+def test_runs_in_parallel_threads_with_caller_grad_mode() -> None:
+    seen: list[tuple[str, bool]] = []
+    lock = threading.Lock()
+
+    def f(x):
+        with lock:
+            seen.append((threading.current_thread().name, torch.is_grad_enabled()))
+        return x
+
+    with torch.no_grad():
+        fdp.parallel_apply(f, [torch.ones(1)] * 3, devices=cpus(3))
+    assert len({name for name, _ in seen}) == 3 and not any(grad for _, grad in seen)
+
+
+def test_exception_is_the_original_object() -> None:
+    error = RuntimeError("replica 1 failed")
+
+    def f(x):
+        if x.item() == 1:
+            raise error
+        return x
+
+    with pytest.raises(RuntimeError) as info:
+        fdp.parallel_apply(f, [torch.tensor(0), torch.tensor(1)], devices=cpus(2))
+    assert info.value is error
+    assert "fdp.parallel_apply: raised by replica 1 of 2 (device cpu)" in info.value.__notes__
+
+
+def test_length_mismatches() -> None:
+    with pytest.raises(ValueError, match="got 1 functions for 2 inputs"):
+        fdp.parallel_apply([abs], [1, 2])
+    with pytest.raises(ValueError, match="got 1 kwargs for 2 inputs"):
+        fdp.parallel_apply(abs, [1, 2], [{}])
+    with pytest.raises(ValueError, match="got 3 devices for 2 inputs"):
+        fdp.parallel_apply(abs, [1, 2], devices=cpus(3))
+    with pytest.raises(ValueError, match="at least one input"):
+        fdp.parallel_apply(abs, [])
+    with pytest.raises(TypeError, match="fns must be a callable or a sequence"):
+        fdp.parallel_apply(3, [1])  # type: ignore[arg-type]

@@ -1,0 +1,546 @@
+"""fdp.pmap: decorator forms, devices, in_axes, split rules, nested inputs, out_axes, modules."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any, NamedTuple
+
+import optree
+import pytest
+import torch
+from helpers import cpus
+from torch import nn
+
+import fdp
+
+
+def shard_rows(devices: list[str], batch: int, **options: Any) -> list[int]:
+    """The rows each replica saw, as a list in replica order."""
+    seen = fdp.pmap(lambda x: torch.tensor(x.shape[0]), devices=devices, **options)
+    return seen(torch.zeros(batch, 3)).tolist()
+
+
+# --- decorator forms ---------------------------------------------------------------------------
+
+
+def test_bare_decorator_keeps_name_and_doc() -> None:
+    @fdp.pmap
+    def double(x):
+        """Doubles."""
+        return 2 * x
+
+    assert double.__name__ == "double"
+    assert double.__doc__ == "Doubles."
+    torch.testing.assert_close(double(torch.arange(4.0)), 2 * torch.arange(4.0))
+
+
+def test_decorator_with_options(devices: list[str]) -> None:
+    @fdp.pmap(devices=devices, axis_name="batch")
+    def double(x):
+        return 2 * x
+
+    x = torch.randn(10, 3)
+    torch.testing.assert_close(double(x), 2 * x)
+
+
+def test_method_decorator_binds_self() -> None:
+    class Scaler:
+        factor = 3.0
+
+        @fdp.pmap(in_axes=(None, 0), devices=cpus(2))
+        def scale(self, x):
+            return self.factor * x
+
+    torch.testing.assert_close(Scaler().scale(torch.ones(4)), torch.full((4,), 3.0))
+
+
+def test_not_callable_is_type_error() -> None:
+    with pytest.raises(TypeError, match="fn must be callable"):
+        fdp.pmap(3)  # type: ignore[call-overload]
+
+
+# --- devices -----------------------------------------------------------------------------------
+
+
+def test_default_devices_without_cuda_is_one_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machine: the default is every GPU")
+    f = fdp.pmap(lambda x: x)
+    assert f.devices == (torch.device("cpu"),)
+    assert f.output_device == torch.device("cpu")
+
+
+def test_device_spellings() -> None:
+    f = fdp.pmap(lambda x: x, devices=["cpu", torch.device("cpu"), "cpu:0"])
+    assert f.devices == (torch.device("cpu"),) * 3
+
+
+@pytest.mark.parametrize(
+    ("devices", "error", "match"),
+    [
+        (["gpu"], ValueError, r"devices\[0\] is not a device: 'gpu'"),
+        (["cpu", "mps"], ValueError, r"devices\[1\]: fdp runs on cpu and cuda devices"),
+        ([], ValueError, "at least one device"),
+        ("cpu", TypeError, r"must be a sequence of devices.*\['cpu'\]"),
+        ([1.5], TypeError, r"devices\[0\] must be an int, str or torch.device"),
+        ([True], TypeError, r"devices\[0\] must be an int"),
+        ([-1], ValueError, "non-negative CUDA index"),
+    ],
+)
+def test_bad_devices_fail_when_built(devices: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        fdp.pmap(lambda x: x, devices=devices)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+@pytest.mark.parametrize("device", [0, "cuda:1", torch.device("cuda")])
+def test_cuda_device_without_cuda_fails_at_first_call(device: Any) -> None:
+    f = fdp.pmap(lambda x: x, devices=["cpu", device])  # building does not touch CUDA
+    with pytest.raises(ValueError, match=r"devices\[1\] is 'cuda.*CUDA is not available"):
+        f(torch.zeros(2))
+
+
+def test_output_device_cpu_and_bad_output_device() -> None:
+    f = fdp.pmap(lambda x: x + 1, devices=cpus(2), output_device="cpu")
+    torch.testing.assert_close(f(torch.zeros(3)), torch.ones(3))
+    with pytest.raises(ValueError, match="output_device is not a device"):
+        fdp.pmap(lambda x: x, output_device="tpu")
+
+
+# --- split rules -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("batch", "n", "expected"),
+    [
+        (30, 2, [15, 15]),
+        (30, 8, [4, 4, 4, 4, 4, 4, 4, 2]),
+        (10, 8, [2, 2, 2, 2, 2]),
+        (3, 8, [1, 1, 1]),
+        (36, 7, [6, 6, 6, 6, 6, 6]),
+        (1, 3, [1]),
+        (7, 1, [7]),
+    ],
+)
+def test_chunk_split_follows_torch_chunk(batch: int, n: int, expected: list[int]) -> None:
+    assert shard_rows(cpus(n), batch) == expected
+    assert expected == [c.shape[0] for c in torch.zeros(batch).chunk(n)]
+
+
+@pytest.mark.parametrize(
+    ("batch", "n", "expected"),
+    [
+        (30, 8, [4, 4, 4, 4, 4, 4, 3, 3]),
+        (10, 8, [2, 2, 1, 1, 1, 1, 1, 1]),
+        (3, 8, [1, 1, 1]),
+        (36, 7, [6, 5, 5, 5, 5, 5, 5]),
+    ],
+)
+def test_balanced_split(batch: int, n: int, expected: list[int]) -> None:
+    assert shard_rows(cpus(n), batch, split="balanced") == expected
+
+
+def test_bad_split_rule() -> None:
+    with pytest.raises(ValueError, match=r"split must be one of \('chunk', 'balanced'\)"):
+        fdp.pmap(lambda x: x, split="even")  # type: ignore[call-overload]
+
+
+def test_replicas_run_only_as_many_as_shards() -> None:
+    seen: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def record(x):
+        with lock:
+            seen.append((x.shape[0], threading.current_thread().name))
+        return x
+
+    fdp.pmap(record, devices=cpus(8))(torch.zeros(10))
+    assert sorted(rows for rows, _ in seen) == [2] * 5
+    assert len({name for _, name in seen}) == 5
+
+
+# --- in_axes -----------------------------------------------------------------------------------
+
+
+def test_in_axes_int_negative_and_none(devices: list[str]) -> None:
+    x = torch.randn(3, 10)
+    w = torch.randn(3)
+
+    @fdp.pmap(in_axes=(-1, None), out_axes=-1, devices=devices)
+    def scale(x, w):
+        assert w.shape == (3,)
+        return x * w[:, None]
+
+    torch.testing.assert_close(scale(x, w), x * w[:, None])
+
+
+def test_in_axes_nested_prefix(devices: list[str]) -> None:
+    batch = {"x": torch.randn(6, 2), "table": torch.randn(4, 2)}
+
+    @fdp.pmap(in_axes=({"x": 0, "table": None},), devices=devices)
+    def lookup(b):
+        assert b["table"].shape == (4, 2)
+        return b["x"] @ b["table"].T
+
+    torch.testing.assert_close(lookup(batch), batch["x"] @ batch["table"].T)
+
+
+def test_in_axes_list_is_read_as_tuple() -> None:
+    f = fdp.pmap(lambda x, w: x * w, in_axes=[0, None], devices=cpus(2))
+    torch.testing.assert_close(f(torch.ones(4), torch.tensor(2.0)), torch.full((4,), 2.0))
+
+
+def test_kwargs_are_split_along_dim_0(devices: list[str]) -> None:
+    @fdp.pmap(in_axes=None, devices=devices)
+    def f(w, *, x, y):
+        return x * w + y
+
+    x, y, w = torch.randn(9, 2), torch.randn(9, 2), torch.randn(2)
+    torch.testing.assert_close(f(w, x=x, y=y), x * w + y)
+
+
+def test_non_tensor_leaves_reach_every_replica_unchanged(devices: list[str]) -> None:
+    marker = object()
+    seen: list[Any] = []
+    lock = threading.Lock()
+
+    def f(x, options, name=None, count=0):
+        with lock:
+            seen.append((options["obj"], options["flag"], name, count))
+        return x
+
+    fdp.pmap(f, devices=devices)(torch.zeros(8), {"obj": marker, "flag": None}, name="run", count=3)
+    assert all(
+        obj is marker and flag is None and name == "run" and count == 3 for obj, flag, name, count in seen
+    )
+
+
+def test_args_and_kwargs_scatter_as_one_tree() -> None:
+    # nn.DataParallel builds 8 replicas here, 5 of them with no positional args (TypeError).
+    @fdp.pmap(devices=cpus(8))
+    def f(x, *, scale, tag):
+        assert tag == "t"
+        return x * scale
+
+    torch.testing.assert_close(f(torch.ones(3, 2), scale=2.0, tag="t"), torch.full((3, 2), 2.0))
+
+
+def test_tensor_kwarg_aligned_with_positional() -> None:
+    # nn.DataParallel fails an assertion for a batch-8 arg and a batch-3 kwarg; fdp says why.
+    f = fdp.pmap(lambda x, y=None: x, devices=cpus(8))
+    with pytest.raises(ValueError, match=r"axis 0 of kwargs\['y'\] of type float32\[3\]"):
+        f(torch.zeros(8), y=torch.zeros(3))
+
+
+# --- nested inputs -----------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    left: torch.Tensor
+    right: torch.Tensor
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+    name: str = "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    inner: Batch
+    weights: list
+
+
+class Registered:
+    """A container registered with optree by its user, in fdp's namespace."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+optree.register_pytree_node(
+    Registered, lambda r: ((r.a,), r.b, ("a",)), lambda b, a: Registered(*a, b), namespace=fdp.NAMESPACE
+)
+
+
+def nested_input(batch: int) -> Any:
+    return {
+        "od": collections.OrderedDict(z=torch.randn(batch), a=torch.randn(batch, 2)),
+        "list": [torch.randn(batch, 3), (torch.randn(batch), None)],
+        "pair": Pair(torch.randn(batch), torch.randn(batch, 1)),
+        "dc": Batch(torch.randn(batch, 2), torch.randn(batch), name="b"),
+        "frozen": Frozen(Batch(torch.randn(batch), torch.randn(batch)), [torch.randn(batch), 7]),
+        "reg": Registered(torch.randn(batch), "meta"),
+        "text": "hello",
+    }
+
+
+def test_nested_inputs_are_split_and_types_kept(devices: list[str]) -> None:
+    tree = nested_input(11)
+    shapes: list[int] = []
+    lock = threading.Lock()
+
+    def identity(t):
+        assert isinstance(t["od"], collections.OrderedDict) and list(t["od"]) == ["z", "a"]
+        assert isinstance(t["pair"], Pair) and isinstance(t["dc"], Batch) and t["dc"].name == "b"
+        assert isinstance(t["frozen"], Frozen) and isinstance(t["frozen"].inner, Batch)
+        assert isinstance(t["reg"], Registered) and t["reg"].b == "meta"
+        with lock:
+            shapes.append(t["dc"].x.shape[0])
+        assert t["dc"].y.shape[0] == t["frozen"].inner.x.shape[0] == t["dc"].x.shape[0]
+        return t
+
+    out = fdp.pmap(identity, devices=devices)(tree)
+    assert sum(shapes) == 11 and len(shapes) == len(torch.zeros(11).chunk(len(devices)))
+    assert isinstance(out["dc"], Batch) and isinstance(out["pair"], Pair)
+    assert isinstance(out["reg"], Registered) and out["reg"].b == "meta"
+    assert out["list"][1][1] is None and out["text"] == "hello"
+    torch.testing.assert_close(out["dc"].x, tree["dc"].x)
+    torch.testing.assert_close(out["frozen"].weights[0], tree["frozen"].weights[0])
+    torch.testing.assert_close(out["reg"].a, tree["reg"].a)
+    torch.testing.assert_close(out["od"]["a"], tree["od"]["a"])
+
+
+def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
+    @dataclasses.dataclass
+    class WithDerived:
+        x: torch.Tensor
+        rows: int = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.rows = self.x.shape[0]
+
+    out = fdp.pmap(lambda d: torch.tensor(d.rows), devices=cpus(2))(WithDerived(torch.zeros(5)))
+    assert out.tolist() == [3, 2]
+
+
+def test_dataclass_without_init_is_a_clear_error() -> None:
+    @dataclasses.dataclass(init=False)
+    class NoInit:
+        x: torch.Tensor
+
+    value = NoInit()
+    value.x = torch.zeros(4)
+    with pytest.raises(TypeError, match="cannot split the dataclass .*NoInit.*no generated __init__"):
+        fdp.pmap(lambda d: d.x, devices=cpus(2))(value)
+
+
+def test_user_namespace_registration_still_possible_after_fdp_saw_the_class() -> None:
+    @dataclasses.dataclass
+    class Point:
+        x: torch.Tensor
+
+    fdp.pmap(lambda p: p.x, devices=cpus(2))(Point(torch.zeros(4)))
+    optree.dataclasses.register_node(Point, namespace="user-namespace")
+
+
+# --- out_axes and outputs ----------------------------------------------------------------------
+
+
+def test_out_axes_int_none_and_prefix(devices: list[str]) -> None:
+    x = torch.randn(12, 3)
+
+    @fdp.pmap(in_axes=(0, None), out_axes=(1, None), devices=devices)
+    def f(x, w):
+        return x.T, w * 2
+
+    transposed, doubled = f(x, torch.ones(2))
+    torch.testing.assert_close(transposed, x.T)
+    torch.testing.assert_close(doubled, torch.full((2,), 2.0))
+
+
+def test_zero_dim_outputs_are_stacked_one_per_replica(devices: list[str]) -> None:
+    for out_axes in (0, 1, -1):
+        f = fdp.pmap(lambda x: x.sum(), devices=devices, out_axes=out_axes)
+        x = torch.arange(10.0)
+        expected = torch.stack([c.sum() for c in x.chunk(len(devices))])
+        torch.testing.assert_close(f(x), expected)
+
+
+def test_output_containers_are_kept(devices: list[str]) -> None:
+    def f(x):
+        return {
+            "pair": Pair(x, x + 1),
+            "dc": Batch(x, x * 2, name="out"),
+            "od": collections.OrderedDict(b=x, a=x),
+            "list": [x, None],
+            "name": "same",
+            "count": 3,
+        }
+
+    x = torch.randn(9)
+    out = fdp.pmap(f, devices=devices)(x)
+    assert isinstance(out["pair"], Pair) and isinstance(out["dc"], Batch) and out["dc"].name == "out"
+    assert list(out["od"]) == ["b", "a"] and out["list"][1] is None
+    assert out["name"] == "same" and out["count"] == 3
+    torch.testing.assert_close(out["dc"].y, x * 2)
+
+
+def test_string_output_is_not_corrupted() -> None:
+    # nn.DataParallel returns "<map object at 0x...>" here.
+    assert fdp.pmap(lambda x: "done", devices=cpus(3))(torch.zeros(6)) == "done"
+
+
+def test_different_non_tensor_outputs_are_an_error() -> None:
+    f = fdp.pmap(lambda x: {"rows": x.shape[0]}, devices=cpus(8))
+    with pytest.raises(
+        ValueError,
+        match=r"different non-tensor values at output\['rows'\]: "
+        r"replica 0 returned 4 but replica 7 returned 2",
+    ):
+        f(torch.zeros(30))
+
+
+def test_output_structure_mismatch_is_an_error() -> None:
+    f = fdp.pmap(lambda x: [x] * x.shape[0], devices=cpus(2))
+    with pytest.raises(ValueError, match="outputs of different structure"):
+        f(torch.zeros(3))
+
+
+def test_out_axes_not_a_prefix_is_an_error() -> None:
+    f = fdp.pmap(lambda x: (x, x), out_axes=(0, 0, 0), devices=cpus(2))
+    with pytest.raises(ValueError, match=r"out_axes specification must be a tree prefix of the output"):
+        f(torch.zeros(4))
+
+
+def test_out_axes_beyond_rank_is_an_error() -> None:
+    f = fdp.pmap(lambda x: x, out_axes=2, devices=cpus(2))
+    with pytest.raises(ValueError, match=r"cannot concatenate output along out_axes 2"):
+        f(torch.zeros(4, 3))
+
+
+def test_unmapped_output_comes_from_the_output_device_replica() -> None:
+    f = fdp.pmap(lambda x: x[:1], out_axes=None, devices=cpus(3))
+    torch.testing.assert_close(f(torch.arange(6.0)), torch.tensor([0.0]))
+
+
+def test_check_unmapped_outputs() -> None:
+    x = torch.arange(6.0)
+    agree = fdp.pmap(lambda x: x.sum() * 0, out_axes=None, devices=cpus(3), check_unmapped_outputs=True)
+    torch.testing.assert_close(agree(x), torch.tensor(0.0))
+    disagree = fdp.pmap(lambda x: x.sum(), out_axes=None, devices=cpus(3), check_unmapped_outputs=True)
+    with pytest.raises(ValueError, match="out_axes is None for output, but the replicas disagree"):
+        disagree(x)
+    unchecked = fdp.pmap(lambda x: x.sum(), out_axes=None, devices=cpus(3))
+    torch.testing.assert_close(unchecked(x), torch.tensor(1.0))
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x, *, scale=1.0):
+        assert len(list(self.parameters())) == 4  # not empty inside forward
+        return self.fc2(torch.relu(self.fc1(x))) * scale
+
+
+def test_module_gets_params_whole_and_in_axes_for_the_rest(devices: list[str]) -> None:
+    model = TwoLayer()
+    params = dict(model.named_parameters())
+    x = torch.randn(13, 4)
+    out = fdp.pmap(model, devices=devices)(params, x, scale=0.5)
+    torch.testing.assert_close(out, model(x, scale=0.5))
+    new = {k: torch.zeros_like(v) for k, v in params.items()}
+    torch.testing.assert_close(fdp.pmap(model, devices=devices)(new, x), torch.zeros(13, 2))
+
+
+def test_module_in_axes_and_static_argnums_index_forward_arguments() -> None:
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x, bias, mode):
+            assert bias.shape == (3,) and mode == "add"
+            return x * self.w + bias
+
+    model = Mix()
+    f = fdp.pmap(model, in_axes=(0, None, None), static_argnums=(2,), devices=cpus(2))
+    out = f(dict(model.named_parameters()), torch.ones(4, 3), torch.ones(3), "add")
+    torch.testing.assert_close(out, torch.full((4, 3), 2.0))
+
+
+def test_module_without_params_argument_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match=r"takes the module's parameters and buffers as its first argument"):
+        fdp.pmap(TwoLayer(), devices=cpus(2))()
+
+
+def test_module_sees_eval_after_first_call() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.9))
+    params = dict(model.named_parameters())
+    f = fdp.pmap(model, devices=cpus(2))
+    x = torch.ones(8, 3)
+    f(params, x)
+    model.eval()
+    torch.testing.assert_close(f(params, x), model(x))
+
+
+# --- static arguments --------------------------------------------------------------------------
+
+
+def test_static_argnums_pass_unchanged() -> None:
+    seen: list[Any] = []
+    lock = threading.Lock()
+    big = torch.zeros(5)
+
+    def f(x, table, mode):
+        with lock:
+            seen.append((table, mode))
+        return x
+
+    g = fdp.pmap(f, static_argnums=(1, -1), devices=cpus(2))
+    g(torch.zeros(4), big, "fast")
+    assert all(t is big and m == "fast" for t, m in seen) and len(seen) == 2
+
+
+def test_unhashable_static_argument_is_a_type_error() -> None:
+    f = fdp.pmap(lambda x, opts: x, static_argnums=1, devices=cpus(2))
+    with pytest.raises(TypeError, match=r"static arguments must be hashable.*args\[1\] of type list"):
+        f(torch.zeros(2), [1, 2])
+
+
+def test_static_argnums_must_be_ints() -> None:
+    with pytest.raises(TypeError, match="static_argnums must be an int or ints"):
+        fdp.pmap(lambda x: x, static_argnums=("x",))  # type: ignore[arg-type]
+
+
+# --- replicated inputs -------------------------------------------------------------------------
+
+
+def test_replicated_tensor_is_shared_on_one_device() -> None:
+    w = torch.randn(3)
+    seen: list[torch.Tensor] = []
+    lock = threading.Lock()
+
+    def f(x, w):
+        with lock:
+            seen.append(w)
+        return x
+
+    fdp.pmap(f, in_axes=(0, None), devices=cpus(3))(torch.zeros(6), w)
+    assert len(seen) == 3 and all(s is w for s in seen)
+
+
+def test_in_place_update_of_a_replicated_input_is_an_error() -> None:
+    buffer = torch.zeros(3)
+    f = fdp.pmap(lambda x, b: b.add_(1) * x.sum(), in_axes=(0, None), out_axes=None, devices=cpus(2))
+    with pytest.raises(RuntimeError, match=r"modified args\[1\] in place.*replicated"):
+        f(torch.ones(4), buffer)
+    # One replica is one device: the same update as a direct call.
+    one = fdp.pmap(lambda x, b: b.add_(1) * x.sum(), in_axes=(0, None), out_axes=None, devices=cpus(1))
+    one(torch.ones(4), torch.zeros(3))
+
+
+def test_in_place_update_of_a_mapped_input_writes_through(devices: list[str]) -> None:
+    x = torch.zeros(7)
+    fdp.pmap(lambda x: x.add_(1), devices=devices)(x)
+    torch.testing.assert_close(x, torch.ones(7))

@@ -1,0 +1,143 @@
+"""Property tests over random nested trees: exact scatter/gather round trips, one-device gradients."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+from helpers import cpus
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fdp
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+@dataclasses.dataclass
+class Box:
+    content: Any
+    label: str = "box"
+
+
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool]
+
+
+@st.composite
+def tensor_leaf(draw: st.DrawFn, batch: int, axis: int) -> torch.Tensor:
+    rest = draw(st.lists(st.integers(1, 3), max_size=2))
+    shape = [batch, *rest] if axis == 0 else [*rest, batch]
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64) * 10
+    return values.to(dtype)
+
+
+def trees(batch: int, axis: int) -> st.SearchStrategy[Any]:
+    leaves = st.one_of(
+        tensor_leaf(batch, axis),
+        tensor_leaf(batch, axis),
+        st.integers(-5, 5),
+        st.text(max_size=3),
+        st.none(),
+    )
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.lists(children, max_size=3),
+            st.tuples(children, children),
+            st.dictionaries(st.sampled_from("abcd"), children, max_size=3),
+            st.builds(Pair, children, children),
+            st.builds(Box, children),
+            st.builds(
+                lambda d: collections.OrderedDict(sorted(d.items(), reverse=True)),
+                st.dictionaries(st.sampled_from("xyz"), children, max_size=3),
+            ),
+        ),
+        max_leaves=8,
+    )
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Any, int, int, str]:
+    batch = draw(st.integers(1, 20))
+    axis = draw(st.sampled_from([0, -1]))
+    tree = draw(trees(batch, axis))
+    # At least one mapped floating-point tensor: a batch to split and something to differentiate.
+    tree = (tree, draw(tensor_leaf(batch, axis)).double())
+    return tree, axis, draw(st.integers(1, 8)), draw(st.sampled_from(["chunk", "balanced"]))
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    a_leaves, a_spec = optree.tree_flatten(actual, namespace=fdp.NAMESPACE)
+    e_leaves, e_spec = optree.tree_flatten(expected, namespace=fdp.NAMESPACE)
+    assert a_spec == e_spec
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            assert a.dtype == e.dtype and torch.equal(a, e)
+        else:
+            assert a == e
+
+
+PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_scatter_then_gather_is_exact(case: tuple[Any, int, int, str]) -> None:
+    tree, axis, n, split = case
+    shards = fdp.scatter(tree, cpus(n), in_axes=axis, split=split)
+    assert 1 <= len(shards) <= n
+    assert_same(fdp.gather(shards, "cpu", out_axes=axis), tree)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_pmap_identity_is_exact(case: tuple[Any, int, int, str]) -> None:
+    tree, axis, n, split = case
+    out = fdp.pmap(lambda t: t, in_axes=axis, out_axes=axis, devices=cpus(n), split=split)(tree)
+    assert_same(out, tree)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_gradients_match_one_device(case: tuple[Any, int, int, str]) -> None:
+    tree, axis, n, split = case
+    floats = optree.tree_map(
+        lambda x: x.double().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        tree,
+        namespace=fdp.NAMESPACE,
+    )
+
+    def f(t: Any) -> Any:
+        return optree.tree_map(
+            lambda x: x.sin() * 2 if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+            t,
+            namespace=fdp.NAMESPACE,
+        )
+
+    def loss(out: Any) -> torch.Tensor:
+        tensors = [
+            x
+            for x in optree.tree_leaves(out, namespace=fdp.NAMESPACE)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()
+        ]
+        return sum((x * x).sum() for x in tensors) + torch.zeros((), dtype=torch.float64)
+
+    inputs = [
+        x
+        for x in optree.tree_leaves(floats, namespace=fdp.NAMESPACE)
+        if isinstance(x, torch.Tensor) and x.requires_grad
+    ]
+    got = torch.autograd.grad(
+        loss(fdp.pmap(f, in_axes=axis, out_axes=axis, devices=cpus(n), split=split)(floats)),
+        inputs,
+        allow_unused=True,
+    )
+    expected = torch.autograd.grad(loss(f(floats)), inputs, allow_unused=True)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,28 @@
+"""Split rules: chunk follows torch.chunk for every size; balanced never leaves a shard empty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fdp._split import shard_sizes
+
+
+@given(size=st.integers(1, 300), n=st.integers(1, 16))
+def test_chunk_is_torch_chunk(size: int, n: int) -> None:
+    assert list(shard_sizes(size, n, "chunk")) == [c.shape[0] for c in torch.empty(size).chunk(n)]
+
+
+@given(size=st.integers(1, 300), n=st.integers(1, 16))
+def test_balanced_sizes_differ_by_at_most_one(size: int, n: int) -> None:
+    sizes = shard_sizes(size, n, "balanced")
+    assert sum(sizes) == size and len(sizes) == min(size, n)
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    assert list(sizes) == sorted(sizes, reverse=True)
+
+
+def test_empty_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        shard_sizes(0, 2, "chunk")

@@ -1,0 +1,119 @@
+"""The caller's grad mode, inference mode, autocast (dtype too) and saved-tensor hooks reach every replica."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import cpus
+
+import fdp
+
+
+def observe(devices: list[str]):
+    """A pmapped function that records each replica's view of the thread-local state."""
+    seen: list[dict[str, object]] = []
+    lock = threading.Lock()
+
+    def f(x):
+        state = {
+            "thread": threading.current_thread().name,
+            "grad": torch.is_grad_enabled(),
+            "inference": torch.is_inference_mode_enabled(),
+            "cpu_autocast": torch.is_autocast_enabled("cpu"),
+            "cpu_dtype": torch.get_autocast_dtype("cpu"),
+            "cache": torch.is_autocast_cache_enabled(),
+            "matmul_dtype": (x @ x.T).dtype,
+        }
+        with lock:
+            seen.append(state)
+        return x
+
+    return fdp.pmap(f, devices=devices), seen
+
+
+def test_workers_are_persistent_and_replica_0_runs_in_the_caller() -> None:
+    f, seen = observe(cpus(3))
+    f(torch.ones(3, 2))
+    first = {s["thread"] for s in seen}
+    seen.clear()
+    f(torch.ones(3, 2))
+    assert {s["thread"] for s in seen} == first
+    assert threading.current_thread().name in first
+    assert len(first) == 3
+
+
+def test_single_replica_runs_in_the_calling_thread() -> None:
+    f, seen = observe(cpus(1))
+    f(torch.ones(2, 2))
+    assert [s["thread"] for s in seen] == [threading.current_thread().name]
+
+
+def test_no_new_threads_per_call(devices: list[str]) -> None:
+    f, _ = observe(devices)
+    f(torch.ones(8, 2))
+    count = threading.active_count()
+    for _ in range(20):
+        f(torch.ones(8, 2))
+    assert threading.active_count() == count
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_grad_mode(grad: bool) -> None:
+    f, seen = observe(cpus(3))
+    with torch.set_grad_enabled(grad):
+        f(torch.ones(3, 2))
+    assert [s["grad"] for s in seen] == [grad] * 3
+
+
+def test_inference_mode() -> None:
+    f, seen = observe(cpus(3))
+    with torch.inference_mode():
+        out = f(torch.ones(3, 2))
+    assert all(s["inference"] and not s["grad"] for s in seen)
+    assert out.is_inference()
+    seen.clear()
+    f(torch.ones(3, 2))
+    assert not any(s["inference"] for s in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_dtype_reaches_every_replica(dtype: torch.dtype) -> None:
+    # nn.DataParallel carries only the enabled flag: a bfloat16 region runs in float16.
+    f, seen = observe(cpus(3))
+    with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+        f(torch.ones(3, 2))
+    assert [(s["cpu_autocast"], s["cpu_dtype"], s["matmul_dtype"], s["cache"]) for s in seen] == [
+        (True, dtype, dtype, False)
+    ] * 3
+    seen.clear()
+    f(torch.ones(3, 2))
+    assert not any(s["cpu_autocast"] for s in seen)
+    assert all(s["matmul_dtype"] == torch.float32 for s in seen)
+
+
+def test_saved_tensor_hooks_apply_in_replicas() -> None:
+    packed: list[str] = []
+    lock = threading.Lock()
+
+    def pack(t):
+        with lock:
+            packed.append(threading.current_thread().name)
+        return t
+
+    x = torch.ones(4, 2, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fdp.pmap(lambda x: (x * x).sum(), devices=cpus(2))(x)
+    out.sum().backward()
+    assert len(set(packed)) == 2
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def test_state_does_not_leak_into_the_next_call() -> None:
+    f, seen = observe(cpus(2))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        f(torch.ones(2, 2))
+    seen.clear()
+    f(torch.ones(2, 2))
+    assert all(s["grad"] and not s["cpu_autocast"] for s in seen)
