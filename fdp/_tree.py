@@ -1,11 +1,14 @@
 """Pytree handling on top of optree: one namespace, dataclasses without registration, key paths.
 
 fdp never walks containers by hand. Every flatten goes through :func:`flatten`, which uses
-optree in the ``"fdp"`` namespace (:data:`NAMESPACE`): optree's built-in containers and the
-types users register with ``optree.register_pytree_node(..., namespace="fdp")`` are nodes.
-Plain ``@dataclass`` instances, which optree treats as leaves, are registered in that namespace
-the first time one is seen, so users never have to register them and their fields are
-scattered like any other container's.
+optree in the ``"fdp"`` namespace (:data:`NAMESPACE`). optree's built-in containers are nodes,
+and so are, from the first time one is seen:
+
+* types a user registered with optree in any namespace (optree requires one; the registration
+  is adopted in fdp's), and
+* plain ``@dataclass`` instances, which optree treats as leaves: they are registered field by
+  field, so users never have to register them and their fields are scattered like any other
+  container's.
 """
 
 from __future__ import annotations
@@ -104,20 +107,70 @@ def _register_dataclass(cls: type) -> None:
     )
 
 
-def _register_new_dataclasses(leaves: Sequence[Any]) -> bool:
-    """Registers the dataclass types among ``leaves``; True if any was new."""
+def _namespaces_registering(cls: type) -> list[str]:
+    """The optree namespaces (other than fdp's) in which ``cls`` is registered as a node.
+
+    optree has no public listing of namespaces, so their names are read off its registry's keys;
+    the entries themselves come from the public ``register_pytree_node.get``. If optree's
+    internals change, this finds nothing and such types stay leaves.
+    """
+    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+    if not isinstance(registry, dict):
+        return []
+    return sorted(
+        {
+            key[0]
+            for key in list(registry)
+            if isinstance(key, tuple) and len(key) == 2 and key[1] is cls and key[0] != NAMESPACE
+        }
+    )
+
+
+def _adopt_registration(cls: type, namespaces: list[str]) -> None:
+    """Registers in fdp's namespace the node type a user registered in their own."""
+    if len(namespaces) > 1:
+        raise TypeError(
+            f"{cls.__qualname__} is registered with optree in several namespaces {namespaces}, so "
+            f"fdp cannot tell how to split it. Register it in fdp's namespace too: "
+            f"optree.register_pytree_node({cls.__name__}, ..., namespace={NAMESPACE!r})."
+        )
+    entry = optree.register_pytree_node.get(cls, namespace=namespaces[0])
+    assert isinstance(entry, optree.registry.PyTreeNodeRegistryEntry)
+    optree.register_pytree_node(
+        cls,  # type: ignore[arg-type]
+        entry.flatten_func,
+        entry.unflatten_func,
+        path_entry_type=entry.path_entry_type,
+        namespace=NAMESPACE,
+    )
+
+
+def _register_new_node_types(leaves: Sequence[Any]) -> bool:
+    """Makes node types of the leaves that should be containers; True if any was new.
+
+    A leaf whose type a user registered with optree in another namespace gets that
+    registration in fdp's; a plain dataclass gets :func:`_register_dataclass`'s.
+    """
     new = False
     for leaf in leaves:
         cls = type(leaf)
         if cls in _LEAF_TYPES or cls in _REGISTERED:
             continue
-        if not dataclasses.is_dataclass(cls) or isinstance(leaf, type):
-            _LEAF_TYPES.add(cls)
-            continue
         with _REGISTRY_LOCK:
-            if cls not in _REGISTERED:
+            if cls in _REGISTERED or cls in _LEAF_TYPES:
+                continue
+            if isinstance(leaf, type):
+                _LEAF_TYPES.add(cls)  # a class object (e.g. a dataclass type) is a value
+                continue
+            namespaces = _namespaces_registering(cls)
+            if namespaces:
+                _adopt_registration(cls, namespaces)
+            elif dataclasses.is_dataclass(cls):
                 _register_dataclass(cls)
-                _REGISTERED.add(cls)
+            else:
+                _LEAF_TYPES.add(cls)
+                continue
+            _REGISTERED.add(cls)
         new = True
     return new
 
@@ -126,7 +179,7 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` in the fdp namespace, registering plain dataclasses on first sight."""
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     # A newly registered dataclass may hold further dataclasses: flatten until none is left.
-    while _register_new_dataclasses(leaves):
+    while _register_new_node_types(leaves):
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     return leaves, spec
 

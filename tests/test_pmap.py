@@ -329,6 +329,42 @@ def test_dataclass_without_init_is_a_clear_error() -> None:
         fdp.pmap(lambda d: d.x, devices=cpus(2))(value)
 
 
+class OwnNamespace:
+    """Registered by its user in their own optree namespace: fdp adopts the registration."""
+
+    def __init__(self, values, tag):
+        self.values, self.tag = values, tag
+
+
+optree.register_pytree_node(
+    OwnNamespace,
+    lambda o: ((o.values,), o.tag, ("values",)),
+    lambda tag, children: OwnNamespace(children[0], tag),
+    namespace="a-user-library",
+)
+
+
+def test_types_registered_in_other_namespaces_are_split() -> None:
+    out = fdp.pmap(lambda o: OwnNamespace(o.values * 2, o.tag + "!"), devices=cpus(2))(
+        OwnNamespace(torch.arange(5.0), "t")
+    )
+    assert isinstance(out, OwnNamespace) and out.tag == "t!"
+    torch.testing.assert_close(out.values, torch.arange(5.0) * 2)
+
+
+def test_type_registered_in_two_namespaces_is_ambiguous() -> None:
+    class Twice:
+        def __init__(self, x):
+            self.x = x
+
+    for namespace in ("lib-a", "lib-b"):
+        optree.register_pytree_node(
+            Twice, lambda t: ((t.x,), None), lambda _, c: Twice(*c), namespace=namespace
+        )
+    with pytest.raises(TypeError, match=r"registered with optree in several namespaces \['lib-a', 'lib-b'\]"):
+        fdp.pmap(lambda t: t.x, devices=cpus(2))(Twice(torch.zeros(4)))
+
+
 def test_user_namespace_registration_still_possible_after_fdp_saw_the_class() -> None:
     @dataclasses.dataclass
     class Point:
