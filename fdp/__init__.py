@@ -6,25 +6,49 @@ The public API is re-exported here from private modules, one job each:
 * :func:`scatter`, :func:`replicate` (``_scatter``), :func:`gather` (``_gather``),
   :func:`parallel_apply` (``_parallel_apply``): the ``nn.parallel`` primitives, pytree-generic
   and differentiable, on CPU and CUDA devices.
+* :func:`psum`, :func:`pmean`, :func:`pmax`, :func:`pmin`, :func:`all_gather`,
+  :func:`ppermute`, :func:`axis_index`, :func:`axis_size` (``_collectives``): collectives inside
+  mapped functions.
 * :func:`functional_call` (``_functional_call``): a thread-safe ``torch.func.functional_call``.
 """
 
-from ._functional_call import functional_call
+from . import optim
+from ._collectives import all_gather, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum
+from ._functional_call import functional_call, stateful_call
 from ._gather import gather
 from ._parallel_apply import parallel_apply
 from ._pmap import Pmapped, pmap
+from ._random import fold_in, replica_seed, rng_scope
 from ._scatter import replicate, scatter
+from ._state import PER_REPLICA, PerReplica, device_put_replicated, unreplicate
 from ._tree import NAMESPACE
 from ._version import __version__
 
 __all__ = [
     "__version__",
     "NAMESPACE",
+    "PER_REPLICA",
+    "PerReplica",
     "Pmapped",
+    "all_gather",
+    "axis_index",
+    "axis_size",
+    "device_put_replicated",
+    "fold_in",
     "functional_call",
     "gather",
+    "optim",
     "parallel_apply",
     "pmap",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "replica_seed",
     "replicate",
+    "rng_scope",
     "scatter",
+    "stateful_call",
+    "unreplicate",
 ]

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import optree
 
-from . import _tree
+from . import _state, _tree
 
 __all__ = ["BROADCAST", "check_spec", "leaf_axes", "normalize_axis"]
 
@@ -33,18 +33,22 @@ BROADCAST: Final = _Broadcast()
 def _check_leaf(value: Any, path: str) -> Any:
     if value is None:
         return BROADCAST
+    if value is _state.PER_REPLICA:
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{path} must be an int or None, got {type(value).__name__}: {value!r}")
     return value
 
 
-def check_spec(spec: Any, *, what: str) -> Any:
+def check_spec(spec: Any, *, what: str, list_as_tuple: bool = False) -> Any:
     """Validates a specification once, when the transform is built; ``None`` becomes BROADCAST.
 
-    A top-level list is read as a tuple, the usual spelling for positional arguments.
+    With ``list_as_tuple`` (for ``in_axes``), a top-level list is read as a tuple, the usual
+    spelling for positional arguments.
     """
-    if isinstance(spec, list):
+    if list_as_tuple and isinstance(spec, list):
         spec = tuple(spec)
+    _tree.flatten(spec)  # registers dataclasses used as prefixes, e.g. in_axes=(Batch(0, None),)
     return optree.tree_map_with_accessor(
         lambda accessor, leaf: _check_leaf(leaf, accessor.codify(what)),
         spec,

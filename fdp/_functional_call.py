@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["functional_call"]
+__all__ = ["functional_call", "stateful_call"]
 
 
 class _Skeleton:
@@ -47,6 +47,10 @@ class _Skeleton:
         if ref() is not module:
             raise KeyError(id(module))  # the id belonged to a module that no longer exists
         return copy
+
+    def clear(self) -> None:
+        for _, copy in self._pairs:
+            object.__setattr__(copy, "__dict__", {})
 
     def refresh(self) -> bool:
         """Copies the originals' current state in; False if the module tree changed shape."""
@@ -80,6 +84,9 @@ def _checkout(module: nn.Module) -> _Skeleton:
 
 
 def _release(module: nn.Module, skeleton: _Skeleton) -> None:
+    # An idle skeleton holds nothing: its copies' state (hook dicts, attribute values) could
+    # otherwise refer back to the module and keep it, and the weak cache entry, alive forever.
+    skeleton.clear()
     with _FREE_LOCK:
         _FREE.setdefault(module, []).append(skeleton)
 
@@ -132,3 +139,41 @@ def functional_call(
         )
     finally:
         _release(module, skeleton)
+
+
+def stateful_call(
+    module: nn.Module,
+    params: dict[str, Any],
+    buffers: dict[str, torch.Tensor],
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Calls ``module`` functionally and returns its updated buffers as new state.
+
+    Layers such as BatchNorm update their buffers (running statistics) in place during
+    ``forward``. Here they update fresh copies, which come back as ``new_buffers``; ``buffers``
+    itself is never modified. In a pmapped training step, each replica gets its own new
+    statistics: keep them per replica, or average them with :func:`fdp.pmean` (over the
+    floating-point buffers). Nothing is silently taken from replica 0.
+
+    Args:
+        module: the module to call. It is not modified.
+        params: parameters by name (may be differentiated with ``torch.func``).
+        buffers: buffers by name, as in ``dict(module.named_buffers())``.
+        args: the positional arguments for ``forward``. Default: ``()``.
+        kwargs: the keyword arguments for ``forward``. Default: ``None``.
+
+    Returns:
+        ``(output, new_buffers)``.
+
+    Example:
+        >>> import torch, fdp
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> buffers = dict(bn.named_buffers())
+        >>> out, new = fdp.stateful_call(bn, dict(bn.named_parameters()), buffers, (torch.randn(4, 2),))
+        >>> int(new["num_batches_tracked"]), int(buffers["num_batches_tracked"])
+        (1, 0)
+    """
+    new_buffers = {name: b.clone() for name, b in buffers.items()}
+    output = functional_call(module, {**params, **new_buffers}, args, kwargs)
+    return output, new_buffers

@@ -15,13 +15,14 @@ and the public :func:`gather` both use it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
 
-from . import _axes, _devices, _transfer, _tree
+from . import _axes, _devices, _state, _transfer, _tree
 
 __all__ = ["gather", "gather_outputs"]
 
@@ -30,9 +31,22 @@ def _equal(a: Any, b: Any) -> bool:
     if a is b:
         return True
     try:
-        return bool(a == b)
+        if bool(a == b):
+            return True
     except Exception:  # noqa: BLE001 - e.g. an array's ambiguous truth value: not provably equal
         return False
+    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, dtypes and values, NaNs in the same places counting as equal."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 class OutputPlan:
@@ -53,8 +67,12 @@ def gather_outputs(
     caller: str,
     check: bool = False,
     plans: dict[optree.PyTreeSpec, OutputPlan] | None = None,
+    devices: Sequence[torch.device] | None = None,
 ) -> Any:
-    """Joins the replicas' output trees on ``destination``; ``out_axes`` is a checked spec."""
+    """Joins the replicas' output trees on ``destination``; ``out_axes`` is a checked spec.
+
+    ``devices`` are the replicas' devices, for ``PER_REPLICA`` outputs.
+    """
     flat = [_tree.flatten(out) for out in outputs]
     treespec = flat[0][1]
     for r, (_, other) in enumerate(flat[1:], start=1):
@@ -73,10 +91,16 @@ def gather_outputs(
 
     columns = list(zip(*(leaves for leaves, _ in flat)))
     joined = [
-        _join(values, axis, destination, k, caller=caller, check=check, outputs=outputs)
+        _state.PerReplica(values, devices or [_device_of(v, destination) for v in values])
+        if axis is _state.PER_REPLICA
+        else _join(values, axis, destination, k, caller=caller, check=check, outputs=outputs)
         for k, (values, axis) in enumerate(zip(columns, plan.axes))
     ]
     return _tree.unflatten(treespec, joined)
+
+
+def _device_of(value: Any, default: torch.device) -> torch.device:
+    return value.device if isinstance(value, torch.Tensor) else default
 
 
 def _join(
@@ -133,16 +157,15 @@ def _join(
 def _unmapped(
     values: Sequence[torch.Tensor], destination: torch.device, *, caller: str, check: bool, path: Any
 ) -> torch.Tensor:
-    chosen = next((v for v in values if v.device == destination), values[0])
-    result = _transfer.to_device(chosen, destination)
+    chosen = next((r for r, v in enumerate(values) if v.device == destination), 0)
+    result = _transfer.to_device(values[chosen], destination)
     if check:
         for r, v in enumerate(values):
-            other = _transfer.to_device(v, destination)
-            if other.shape != result.shape or not torch.equal(other, result):
+            if r != chosen and not _same_tensor(_transfer.to_device(v, destination), result):
                 raise ValueError(
                     f"{caller}: out_axes is None for {path()}, but the replicas disagree: "
-                    f"replica {r} returned {_tree.describe(v)} that differs from the value on "
-                    "the output device"
+                    f"replica {r} returned {_tree.describe(v)} that differs from replica "
+                    f"{chosen}'s, which is returned"
                 )
     return result
 

@@ -74,4 +74,10 @@ def parallel_apply(
         if len(resolved) != n:
             raise ValueError(f"{caller} got {len(resolved)} devices for {n} inputs")
     replicas = [functools.partial(fn, *a, **(k or {})) for fn, a, k in zip(fns, args, per_kwargs)]
-    return _pool.run_replicas(resolved, replicas, caller=caller)
+    tensors: list[list[torch.Tensor]] | None = None
+    if any(d.type == "cuda" for d in resolved):
+        tensors = [
+            [t for t in _tree.flatten((a, k))[0] if isinstance(t, torch.Tensor)]
+            for a, k in zip(args, per_kwargs)
+        ]
+    return _pool.run_replicas(resolved, replicas, caller=caller, inputs=tensors)

@@ -56,7 +56,7 @@ class Pmapped(Generic[P, R]):
         name = type(fn).__name__ if self.is_module else getattr(fn, "__qualname__", None)
         self._caller = f"fdp.pmap({name or type(fn).__name__})"
         what = self._caller
-        self.in_axes = _axes.check_spec(in_axes, what="in_axes")
+        self.in_axes = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
         self.out_axes = _axes.check_spec(out_axes, what="out_axes")
         try:
             hash(axis_name)
@@ -83,7 +83,8 @@ class Pmapped(Generic[P, R]):
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
         if not self.is_module:
-            functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+            # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
+            functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"<{self._caller} in_axes={self.in_axes!r} out_axes={self.out_axes!r}>"
@@ -156,8 +157,16 @@ class Pmapped(Generic[P, R]):
             functools.partial(self._call_replica, _tree.unflatten(treespec, row), statics)
             for row in scattered.leaves
         ]
-        versions = [[t._version for t in copies] for _, copies in scattered.shared] if n > 1 else None
-        outputs = _pool.run_replicas(devices, replicas, axis_name=self.axis_name, caller=caller)
+        versions = [[_version(t) for t in copies] for _, copies in scattered.shared] if n > 1 else None
+        outputs = _pool.run_replicas(
+            scattered.devices,
+            replicas,
+            axis_name=self.axis_name,
+            caller=caller,
+            inputs=[[t for t in row if isinstance(t, torch.Tensor)] for row in scattered.leaves]
+            if any(d.type == "cuda" for d in scattered.devices)
+            else None,
+        )
         if versions is not None:
             self._check_unmodified(scattered, versions, parts, roots)
         return _gather.gather_outputs(
@@ -167,6 +176,7 @@ class Pmapped(Generic[P, R]):
             caller=caller,
             check=self.check_unmapped_outputs,
             plans=self._out_plans,
+            devices=scattered.devices,
         )
 
     def _parts(
@@ -180,7 +190,7 @@ class Pmapped(Generic[P, R]):
                     "argument: pmapped_model(params, *args, **kwargs), params as in "
                     "dict(model.named_parameters()) | dict(model.named_buffers())"
                 )
-            head, args = (args[0],), args[1:]
+            head, args = (_complete_state(self.fn, args[0]),), args[1:]  # type: ignore[arg-type]
         statics: dict[int, Any] = {}
         if self.static_argnums:
             for i in self.static_argnums:
@@ -244,7 +254,7 @@ class Pmapped(Generic[P, R]):
         roots: tuple[str, ...],
     ) -> None:
         for (k, copies), before in zip(scattered.shared, versions):
-            if any(t._version != v for t, v in zip(copies, before)):
+            if any(_version(t) != v for t, v in zip(copies, before)):
                 paths = [
                     p for part, root in zip(parts, roots) for p in _tree.flatten_with_paths(part, root)[0]
                 ]
@@ -255,6 +265,35 @@ class Pmapped(Generic[P, R]):
                     "the new value instead (for BatchNorm statistics, pass the buffers in and "
                     "return the updated ones), or map the argument."
                 )
+
+
+def _complete_state(module: nn.Module, params: Any) -> Any:
+    """``params`` plus the module's own parameters and buffers that it does not name.
+
+    torch.func.functional_call would take those from the module object itself, shared by all
+    replicas: here they become replicated inputs like the rest (moved to each replica's device,
+    and checked for in-place updates). Names tied to a given one are left out (tie_weights).
+    """
+    if not isinstance(params, dict):
+        return params
+    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ):
+        groups.setdefault(id(tensor), []).append((name, tensor))
+    missing = {
+        name: tensor
+        for group in groups.values()
+        if not any(name in params for name, _ in group)
+        for name, tensor in group[:1]
+    }
+    return {**missing, **params} if missing else params
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors keep no version counter; they cannot be modified outside inference mode.
+    return -1 if t.is_inference() else t._version
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

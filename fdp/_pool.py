@@ -1,14 +1,21 @@
-"""The replica thread pool: persistent workers, one per device slot, and the run protocol.
+"""The replica threads: persistent workers, one per device slot, and the run protocol.
 
-A pool serves one tuple of devices. Replica 0 runs in the caller's thread (a single replica
-therefore never leaves it); replica ``i > 0`` runs on worker ``i``, a daemon thread that lives
-as long as the process. The replicas of one call are queued on all workers under one lock, so
-every worker sees the calls in the same order: concurrent calls from many threads can then never
-leave one call's replicas waiting for each other behind another call's (collectives rely on it).
+Replica 0 runs in the caller's thread (a single replica therefore never leaves it). Replica
+``i > 0`` runs on a worker: a daemon thread that serves one device and lives as long as the
+process. Workers are shared by every pmapped function and started on first need: a call that
+runs ``k`` replicas on a device (replica 0 included) uses that device's first ``k - 1`` workers
+(the ``j``-th occurrence of a device among replicas ``1..`` uses its ``j``-th worker). So a batch
+of 3 on 2000 devices starts 2 threads, and ``["cpu"] * 8`` anywhere shares the same 7.
+
+The replicas of one call are queued on their workers under one process-wide lock, so every
+worker sees the calls in the same order: concurrent calls from many threads can never leave one
+call's replicas waiting for each other behind another call's (collectives rely on it).
 
 Each replica runs with the caller's thread-local torch state (``_thread_state``), inside its
 :class:`~fdp._replica.ReplicaContext`, and on CUDA on its device with the worker's own stream,
-ordered after the caller's pending work on that device and before the caller's next.
+ordered after the caller's pending work on that device and before the caller's next. Tensors
+cross between the caller's and a worker's streams with ``record_stream``, so the caching
+allocator never hands their memory out while the other stream may still use it.
 
 Failures: the first failing replica aborts the call's :class:`~fdp._replica.CallGroup` (which
 releases replicas waiting in collectives); when all replicas have returned, the caller gets the
@@ -28,45 +35,58 @@ import torch
 
 from . import _replica, _thread_state
 
-__all__ = ["ReplicaPool", "get_pool", "run_replicas", "ensure_not_in_replica"]
+__all__ = ["run_replicas", "ensure_not_in_replica"]
 
 
 class _Latch:
-    """Counts replicas down; ``wait`` returns once all have finished."""
+    """Counts replicas down; ``wait`` returns once all have finished.
+
+    An Event rather than a bare lock: a ``KeyboardInterrupt`` that lands in ``wait`` must leave
+    it waitable again (the caller then waits for the replicas before re-raising).
+    """
 
     __slots__ = ("_count", "_count_lock", "_done")
 
     def __init__(self, count: int) -> None:
         self._count = count
         self._count_lock = threading.Lock()
-        self._done = threading.Lock()
-        self._done.acquire()
+        self._done = threading.Event()
         if count == 0:
-            self._done.release()
+            self._done.set()
 
     def count_down(self) -> None:
         with self._count_lock:
             self._count -= 1
             last = self._count == 0
         if last:
-            self._done.release()
+            self._done.set()
 
     def wait(self) -> None:
-        self._done.acquire()
-        self._done.release()
+        self._done.wait()
 
 
 class _Worker(threading.Thread):
-    def __init__(self, device: torch.device, slot: int) -> None:
-        super().__init__(name=f"fdp-replica-{slot}-{device}", daemon=True)
+    def __init__(self, device: torch.device, number: int) -> None:
+        super().__init__(name=f"fdp-worker-{device}-{number}", daemon=True)
         self.device = device
         self.tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stream: Any = None  # torch.cuda.Stream on CUDA devices
+        self.init_error: BaseException | None = None
+        self._ready = threading.Event()
+
+    def start_and_wait(self) -> None:
+        self.start()
+        self._ready.wait()
 
     def run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            self.stream = torch.cuda.Stream(self.device)
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                self.stream = torch.cuda.Stream(self.device)
+        except BaseException as error:  # noqa: BLE001 - every task reports it instead
+            self.init_error = error
+        finally:
+            self._ready.set()
         while True:
             task = self.tasks.get()
             if task is None:
@@ -75,97 +95,57 @@ class _Worker(threading.Thread):
             del task  # drop the replica's references before blocking on the queue
 
 
-class ReplicaPool:
-    """Workers for ``devices[1:]``; replica 0 runs in the calling thread."""
+_WORKERS: dict[tuple[torch.device, int], _Worker] = {}
+_SUBMIT_LOCK = threading.Lock()  # guards _WORKERS and keeps every worker's queue in one order
 
-    def __init__(self, devices: tuple[torch.device, ...]) -> None:
-        self.devices = devices
-        self._submit_lock = threading.Lock()
-        self._workers = [_Worker(d, slot) for slot, d in enumerate(devices) if slot > 0]
-        for worker in self._workers:
-            worker.start()
-        if any(d.type == "cuda" for d in devices[1:]):
-            # The workers create their streams on start; replicas must not run before.
-            self._wait_for_streams()
 
-    def _wait_for_streams(self) -> None:
-        ready = _Latch(len(self._workers))
-        for worker in self._workers:
-            worker.tasks.put(ready.count_down)
-        ready.wait()
+def _workers_for(devices: Sequence[torch.device]) -> list[_Worker]:
+    """The workers of replicas ``1..len(devices)-1`` (call with ``_SUBMIT_LOCK`` held)."""
+    seen: dict[torch.device, int] = {}
+    workers = []
+    for i, device in enumerate(devices):
+        number = seen.get(device, 0)
+        seen[device] = number + 1
+        if i == 0:
+            continue
+        worker = _WORKERS.get((device, number))
+        if worker is None:
+            worker = _WORKERS[(device, number)] = _Worker(device, number)
+            worker.start_and_wait()
+        workers.append(worker)
+    return workers
 
-    def run(
-        self,
-        replicas: Sequence[Callable[[], Any]],
-        *,
-        axis_name: Hashable | None,
-        caller: str,
-    ) -> list[Any]:
-        """Runs ``replicas[i]()`` as replica ``i`` on ``devices[i]`` and returns their results."""
-        n = len(replicas)
-        devices = self.devices[:n]
-        state = _thread_state.capture()
-        group = _replica.CallGroup(n)
-        results: list[Any] = [None] * n
-        errors: list[BaseException | None] = [None] * n
-        latch = _Latch(n - 1)
-        cuda_sync = _CudaSync(devices) if any(d.type == "cuda" for d in devices) else None
 
-        def make_task(i: int) -> Callable[[], None]:
-            context = _replica.ReplicaContext(axis_name, i, n, devices[i], group)
-            worker = self._workers[i - 1] if i > 0 else None
+def _forget_workers_after_fork() -> None:
+    # Threads do not survive fork (DataLoader workers, multiprocessing): a child starts afresh.
+    global _SUBMIT_LOCK
+    _WORKERS.clear()
+    _SUBMIT_LOCK = threading.Lock()
 
-            def task() -> None:
-                try:
-                    # Replica 0 runs in the caller's thread, which already has the caller's state.
-                    with _replica.entered(context), _thread_state.applied(state) if i > 0 else _NULL_CONTEXT:
-                        if cuda_sync is not None:
-                            with cuda_sync.running(i, worker):
-                                results[i] = replicas[i]()
-                        else:
-                            results[i] = replicas[i]()
-                except BaseException as error:  # noqa: BLE001 - every failure goes to the caller
-                    errors[i] = error
-                    group.abort(i, error)
-                finally:
-                    if i > 0:
-                        latch.count_down()
 
-            return task
-
-        tasks = [make_task(i) for i in range(n)]
-        with self._submit_lock:
-            for i in range(1, n):
-                self._workers[i - 1].tasks.put(tasks[i])
-        try:
-            tasks[0]()
-            latch.wait()
-        except BaseException as interrupt:  # KeyboardInterrupt while waiting
-            group.abort(0, interrupt)
-            latch.wait()
-            raise
-        if cuda_sync is not None:
-            cuda_sync.finish(results, self._workers)
-        if any(e is not None for e in errors):
-            raise _primary_error(errors, devices, caller)
-        return results
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
 class _CudaSync:
-    """Stream ordering between the caller and the replica workers on CUDA devices."""
+    """Stream ordering and memory safety between the caller and the workers on CUDA devices."""
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
         self.devices = devices
         # The caller's current streams: the transfers into the replicas were issued on them.
         self.caller_streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
 
-    def running(self, i: int, worker: _Worker | None) -> Any:
+    def running(self, i: int, worker: _Worker | None, inputs: Sequence[torch.Tensor]) -> Any:
         device = self.devices[i]
         if device.type != "cuda":
             return _NULL_CONTEXT
         if worker is None:  # replica 0 runs on the caller's own stream
             return torch.cuda.device(device)
         worker.stream.wait_stream(self.caller_streams[i])
+        # The inputs were allocated on the caller's stream; the worker's stream reads them, in
+        # the forward and again in the backward (saved tensors).
+        for t in inputs:
+            if t.device.type == "cuda":
+                t.record_stream(worker.stream)
         return torch.cuda.stream(worker.stream)
 
     def finish(self, results: list[Any], workers: Sequence[_Worker]) -> None:
@@ -174,9 +154,10 @@ class _CudaSync:
 
         for i in range(1, len(self.devices)):
             caller_stream = self.caller_streams[i]
-            if caller_stream is None:
+            stream = workers[i - 1].stream
+            if caller_stream is None or stream is None:
                 continue
-            caller_stream.wait_stream(workers[i - 1].stream)
+            caller_stream.wait_stream(stream)
             # Memory allocated on the worker's stream is used on the caller's from now on.
             for leaf in _tree.flatten(results[i])[0]:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
@@ -194,6 +175,18 @@ class _NullContext:
 _NULL_CONTEXT = _NullContext()
 
 
+def _note(error: BaseException, caller: str, text: str) -> None:
+    error.add_note(f"{caller}: {text}")
+
+
+def _clear_old_notes(error: BaseException) -> None:
+    # An exception object raised again in a later call (a module-level instance) keeps the
+    # notes of the first; only this call's should show.
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        notes[:] = [n for n in notes if not n.startswith("fdp.")]
+
+
 def _primary_error(
     errors: Sequence[BaseException | None], devices: Sequence[torch.device], caller: str
 ) -> BaseException:
@@ -201,43 +194,24 @@ def _primary_error(
     failed = [(i, e) for i, e in enumerate(errors) if e is not None]
     own = [(i, e) for i, e in failed if not isinstance(e, _replica.ReplicaAborted)]
     index, error = (own or failed)[0]
-    error.add_note(f"{caller}: raised by replica {index} of {len(errors)} (device {devices[index]})")
+    _clear_old_notes(error)
+    same = [i for i, e in failed if e is error and i != index]
+    where = f"replica {index} of {len(errors)} (device {devices[index]})"
+    if same:
+        where += f", and the same object by replica(s) {same}"
+    _note(error, caller, f"raised by {where}")
     for i, other in failed:
-        if other is error:
-            continue
-        error.add_note(
-            f"{caller}: replica {i} (device {devices[i]}) also failed: {type(other).__name__}: {other}"
-        )
+        if other is not error:
+            _note(
+                error,
+                caller,
+                f"replica {i} (device {devices[i]}) also failed: {type(other).__name__}: {other}",
+            )
     return error
 
 
-_POOLS: dict[tuple[torch.device, ...], ReplicaPool] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def get_pool(devices: tuple[torch.device, ...]) -> ReplicaPool:
-    """The process-wide pool for ``devices``, started on first use."""
-    pool = _POOLS.get(devices)
-    if pool is None:
-        with _POOLS_LOCK:
-            pool = _POOLS.get(devices)
-            if pool is None:
-                pool = _POOLS[devices] = ReplicaPool(devices)
-    return pool
-
-
-def _forget_pools_after_fork() -> None:
-    # Threads do not survive fork (DataLoader workers, multiprocessing): a child starts afresh.
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pools_after_fork)
-
-
 def ensure_not_in_replica(caller: str) -> None:
-    """Refuses dispatch from inside a replica (it would wait on its own pool)."""
+    """Refuses dispatch from inside a replica (it would wait on its own workers)."""
     context = _replica.current()
     if context is not None:
         raise RuntimeError(
@@ -249,12 +223,88 @@ def ensure_not_in_replica(caller: str) -> None:
 
 
 def run_replicas(
-    devices: tuple[torch.device, ...],
+    devices: Sequence[torch.device],
     replicas: Sequence[Callable[[], Any]],
     *,
     axis_name: Hashable | None = None,
     caller: str,
+    inputs: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> list[Any]:
-    """Runs ``replicas[i]`` on ``devices[i]`` (the pool for ``devices``); see :class:`ReplicaPool`."""
+    """Runs ``replicas[i]()`` as replica ``i`` on ``devices[i]`` and returns their results.
+
+    ``inputs[i]`` are the tensors replica ``i`` was given (for CUDA stream bookkeeping).
+    """
     ensure_not_in_replica(caller)
-    return get_pool(devices).run(replicas, axis_name=axis_name, caller=caller)
+    n = len(replicas)
+    devices = tuple(devices[:n])
+    state = _thread_state.capture()
+    group = _replica.CallGroup(n, devices)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    latch = _Latch(n - 1)
+    cuda_sync = _CudaSync(devices) if any(d.type == "cuda" for d in devices) else None
+    workers: list[_Worker] = []
+
+    def make_task(i: int) -> Callable[[], None]:
+        context = _replica.ReplicaContext(axis_name, i, n, devices[i], group)
+
+        def task() -> None:
+            worker = workers[i - 1] if i > 0 else None
+            try:
+                if worker is not None and worker.init_error is not None:
+                    raise RuntimeError(
+                        f"the worker thread for {worker.device} could not start"
+                    ) from worker.init_error
+                # Replica 0 runs in the caller's thread, which already has the caller's state.
+                with _replica.entered(context), _thread_state.applied(state) if i > 0 else _NULL_CONTEXT:
+                    if cuda_sync is not None:
+                        with cuda_sync.running(i, worker, inputs[i] if inputs is not None else ()):
+                            results[i] = replicas[i]()
+                    else:
+                        results[i] = replicas[i]()
+            except BaseException as error:  # noqa: BLE001 - every failure goes to the caller
+                errors[i] = error
+                group.abort(i, error)
+            finally:
+                group.finish(i)
+                if i > 0:
+                    latch.count_down()
+
+        return task
+
+    tasks = [make_task(i) for i in range(n)]
+    try:
+        with _SUBMIT_LOCK:
+            workers.extend(_workers_for(devices))
+            for i in range(1, n):
+                workers[i - 1].tasks.put(tasks[i])
+    except BaseException as error:
+        # Nothing runs replica 0 now: release whatever was queued, which would wait for it.
+        group.abort(0, error)
+        group.finish(0)
+        raise
+    try:
+        tasks[0]()
+        latch.wait()
+    except BaseException as interrupt:  # KeyboardInterrupt while waiting
+        group.abort(0, interrupt)
+        latch.wait()
+        for i, failure in enumerate(errors):
+            if (
+                failure is not None
+                and failure is not interrupt
+                and not isinstance(failure, _replica.ReplicaAborted)
+            ):
+                _note(
+                    interrupt,
+                    caller,
+                    f"replica {i} (device {devices[i]}) had failed: {type(failure).__name__}: {failure}",
+                )
+        raise
+    finally:
+        group.done = True
+        if cuda_sync is not None:
+            cuda_sync.finish(results, workers)
+    if any(e is not None for e in errors):
+        raise _primary_error(errors, devices, caller)
+    return results

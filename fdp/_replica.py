@@ -1,16 +1,22 @@
-"""Which replica the current thread is running, if any.
+"""Which replica the current thread is running, and what the replicas of one call share.
 
 While a replica runs, its thread holds a :class:`ReplicaContext`: the axis name, its index among
 the replicas that run, their number, its device, and the :class:`CallGroup` that the replicas of
-one call share. Collectives read it; nested dispatch onto the pool is refused with it.
+one call share. Collectives meet in the group's :meth:`CallGroup.exchange`; nested dispatch onto
+the pool is refused with the context.
+
+The exchange never waits forever: a replica that raised aborts the group (the others get
+:class:`ReplicaAborted`), and a replica that returned without reaching an exchange that others
+wait in makes that exchange fail for them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,21 +31,135 @@ class ReplicaAborted(RuntimeError):
     """
 
 
+class _Pending:
+    __slots__ = ()
+
+
+_PENDING = _Pending()
+
+
+class _Round:
+    """One exchange: what every replica brought, and the combined result."""
+
+    __slots__ = ("what", "payloads", "arrived", "result", "error", "taken")
+
+    def __init__(self, size: int, what: Hashable) -> None:
+        self.what = what
+        self.payloads: list[Any] = [_PENDING] * size
+        self.arrived = 0
+        self.result: Any = _PENDING
+        self.error: tuple[type[BaseException], str] | None = None
+        self.taken = 0
+
+
 class CallGroup:
     """State shared by the replicas of one call."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, devices: Sequence[torch.device]) -> None:
         self.size = size
-        self.lock = threading.Lock()
+        self.devices = tuple(devices)
+        self.cond = threading.Condition()
         self.failed: BaseException | None = None
         self.failed_index: int | None = None
+        self.finished = [False] * size
+        self.done = False  # every replica has returned: the call is over
+        self._rounds: dict[int, _Round] = {}
+        self._next = [0] * size
 
     def abort(self, index: int, error: BaseException) -> None:
-        """Records the first failure; replicas waiting on each other are released."""
-        with self.lock:
+        """Records the first failure and releases the replicas waiting in an exchange."""
+        with self.cond:
             if self.failed is None:
                 self.failed = error
                 self.failed_index = index
+            self.cond.notify_all()
+
+    def finish(self, index: int) -> None:
+        """Replica ``index`` has returned (or raised)."""
+        with self.cond:
+            self.finished[index] = True
+            self.cond.notify_all()
+
+    def exchange(
+        self,
+        index: int,
+        what: Hashable,
+        payload: Any,
+        combine: Callable[[list[Any]], list[Any]],
+    ) -> Any:
+        """Meets the other replicas: returns ``combine(payloads)[index]``.
+
+        Every replica must call ``exchange`` the same number of times with the same ``what``
+        (the collective and its options), in the same order, as in any SPMD program. The last
+        replica to arrive runs ``combine`` once for all of them.
+        """
+        with self.cond:
+            number = self._next[index]
+            self._next[index] += 1
+            round_ = self._rounds.get(number)
+            if round_ is None:
+                round_ = self._rounds[number] = _Round(self.size, what)
+            elif round_.what != what and round_.error is None:
+                round_.error = (
+                    ValueError,
+                    f"the replicas called different collectives at the same point: "
+                    f"{_describe(round_.what)} and {_describe(what)} (replica {index}). Every "
+                    "replica must call the same collectives, with the same options, in the same "
+                    "order.",
+                )
+                self.cond.notify_all()
+            round_.payloads[index] = payload
+            round_.arrived += 1
+            last = round_.arrived == self.size
+            if not last:
+                self._wait(round_, index)
+        if last and round_.error is None:
+            try:
+                result: Any = combine(round_.payloads)
+                error = None
+            except Exception as err:  # noqa: BLE001 - reported to every replica
+                result, error = _PENDING, (type(err), str(err))
+            with self.cond:
+                round_.result, round_.error = result, error
+                self.cond.notify_all()
+        with self.cond:
+            round_.taken += 1
+            if round_.taken == self.size:
+                del self._rounds[number]
+        if round_.error is not None:
+            kind, message = round_.error
+            raise kind(message)  # a fresh object per replica: each raises from its own thread
+        return round_.result[index]
+
+    def _wait(self, round_: _Round, index: int) -> None:
+        while round_.result is _PENDING and round_.error is None:
+            if self.failed is not None:
+                raise ReplicaAborted(
+                    f"replica {index} was waiting in {_describe(round_.what)} when replica "
+                    f"{self.failed_index} failed"
+                )
+            gone = [
+                j
+                for j in range(self.size)
+                if self.finished[j] and round_.payloads[j] is _PENDING and self.failed is None
+            ]
+            if gone:
+                round_.error = (
+                    RuntimeError,
+                    f"replica {gone[0]} returned without calling {_describe(round_.what)}, which "
+                    f"the other replicas are waiting in. Every replica must call the same "
+                    "collectives in the same order (no collective behind a condition that differs "
+                    "between replicas).",
+                )
+                self.cond.notify_all()
+                return
+            self.cond.wait()
+
+
+def _describe(what: Hashable) -> str:
+    if isinstance(what, tuple) and what:
+        return str(what[0])
+    return str(what)
 
 
 @dataclass(frozen=True)

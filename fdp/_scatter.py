@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _axes, _devices, _split, _transfer, _tree
+from . import _axes, _devices, _split, _state, _transfer, _tree
 
 __all__ = ["scatter", "replicate", "scatter_leaves", "Scattered"]
 
@@ -52,9 +52,15 @@ def scatter_leaves(
     """
     mapped: list[tuple[int, int]] = []  # (leaf index, non-negative axis)
     replicated: list[int] = []
+    resident: list[int] = []  # PerReplica leaves: already one value per replica
+    user_axes: dict[int, int] = {}  # the axes as the user wrote them, for messages
     batch: int | None = None
     for k, (leaf, axis) in enumerate(zip(leaves, axes)):
         if not isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, _state.PerReplica):
+                resident.append(k)
+            elif axis is not _axes.BROADCAST and (reason := _tree.unsplittable_reason(leaf)):
+                raise TypeError(f"{caller}: {paths()[k]}: {reason}")
             continue
         if axis is _axes.BROADCAST:
             replicated.append(k)
@@ -72,7 +78,16 @@ def scatter_leaves(
         elif size != batch:
             batch = -1  # sizes disagree: reported below with every leaf
         mapped.append((k, dim))
+        user_axes[k] = axis
 
+    if batch is None and resident:
+        # Only resident state: one replica per copy, and nothing to split.
+        run_on = devices[: len(leaves[resident[0]])]
+        rows: list[list[Any]] = [list(leaves) for _ in run_on]
+        _place_resident(leaves, resident, rows, run_on, caller, paths)
+        shared: list[tuple[int, list[torch.Tensor]]] = []
+        _place_replicated(leaves, replicated, rows, run_on, shared)
+        return Scattered(rows, run_on, (), shared)
     if batch is None:
         raise ValueError(
             f"{caller} found no tensor to map: every tensor argument has axis None (or there is "
@@ -80,34 +95,74 @@ def scatter_leaves(
             "int axis in in_axes."
         )
     if batch < 0:
-        raise ValueError(_inconsistent_sizes_message(leaves, mapped, caller, paths()))
+        raise ValueError(_inconsistent_sizes_message(leaves, mapped, user_axes, caller, paths()))
     if batch == 0:
         k, dim = mapped[0]
         raise ValueError(
-            f"{caller} got an empty batch: axis {dim} of {paths()[k]} of type "
+            f"{caller} got an empty batch: axis {user_axes[k]} of {paths()[k]} of type "
             f"{_tree.describe(leaves[k])} has size 0, and there is nothing to give the replicas"
         )
 
     sizes = _split.shard_sizes(batch, len(devices), split)
     n = len(sizes)
     run_on = devices[:n]
-    rows: list[list[Any]] = [list(leaves) for _ in range(n)]
+    rows = [list(leaves) for _ in range(n)]
+    _place_resident(leaves, resident, rows, run_on, caller, paths)
     for k, dim in mapped:
         for r, shard in enumerate(_transfer.split_to(leaves[k], dim, sizes, run_on)):
             rows[r][k] = shard
-    shared: list[tuple[int, list[torch.Tensor]]] = []
-    if replicated:
-        copies = _transfer.broadcast([leaves[k] for k in replicated], run_on)
-        for j, k in enumerate(replicated):
-            per_replica = [copies[r][j] for r in range(n)]
-            for r in range(n):
-                rows[r][k] = per_replica[r]
-            shared.append((k, per_replica))
+    shared = []
+    _place_replicated(leaves, replicated, rows, run_on, shared)
     return Scattered(rows, run_on, sizes, shared)
 
 
+def _place_replicated(
+    leaves: Sequence[Any],
+    replicated: list[int],
+    rows: list[list[Any]],
+    run_on: tuple[torch.device, ...],
+    shared: list[tuple[int, list[torch.Tensor]]],
+) -> None:
+    """Copies the axis-None tensors to every replica's device (shared on one device)."""
+    if not replicated:
+        return
+    copies = _transfer.broadcast([leaves[k] for k in replicated], run_on)
+    for j, k in enumerate(replicated):
+        per_replica = [copies[r][j] for r in range(len(run_on))]
+        for r, copy in enumerate(per_replica):
+            rows[r][k] = copy
+        shared.append((k, per_replica))
+
+
+def _place_resident(
+    leaves: Sequence[Any],
+    resident: list[int],
+    rows: list[list[Any]],
+    run_on: tuple[torch.device, ...],
+    caller: str,
+    paths: Callable[[], list[str]],
+) -> None:
+    """Gives replica r the r-th value of every PerReplica leaf, after checking where they live."""
+    for k in resident:
+        leaf: _state.PerReplica = leaves[k]
+        if len(leaf) != len(run_on) or leaf.devices != run_on:
+            raise ValueError(
+                f"{caller}: {paths()[k]} holds one value per replica on "
+                f"{[str(d) for d in leaf.devices]}, but this call runs {len(run_on)} replicas on "
+                f"{[str(d) for d in run_on]}. Resident state needs every replica to run: with "
+                "split='chunk' a small batch runs fewer replicas than devices (use "
+                "split='balanced', or a batch of at least one row per device)."
+            )
+        for r in range(len(run_on)):
+            rows[r][k] = leaf.values[r]
+
+
 def _inconsistent_sizes_message(
-    leaves: Sequence[Any], mapped: list[tuple[int, int]], caller: str, paths: list[str]
+    leaves: Sequence[Any],
+    mapped: list[tuple[int, int]],
+    user_axes: dict[int, int],
+    caller: str,
+    paths: list[str],
 ) -> str:
     """JAX's message: the most common size first, then each other size with its leaves."""
     by_size: dict[int, list[tuple[int, int]]] = {}
@@ -116,7 +171,7 @@ def _inconsistent_sizes_message(
     groups = sorted(by_size.items(), key=lambda item: -len(item[1]))
 
     def where(k: int, dim: int) -> str:
-        return f"axis {dim} of {paths[k]} of type {_tree.describe(leaves[k])}"
+        return f"axis {user_axes[k]} of {paths[k]} of type {_tree.describe(leaves[k])}"
 
     lines = [f"{caller} got inconsistent sizes for array axes to be mapped:"]
     for rank, (size, members) in enumerate(groups):
@@ -169,7 +224,7 @@ def scatter(
     caller = "fdp.scatter"
     resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
     split = _split.check_split(split, what=f"{caller} split")
-    spec = _axes.check_spec(in_axes, what="in_axes")
+    spec = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
     leaves, treespec = _tree.flatten(tree)
     axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree")
     result = scatter_leaves(

@@ -26,7 +26,7 @@ import torch
 import torch.cuda.comm
 from torch.autograd import Function
 
-__all__ = ["to_device", "split_to", "broadcast", "gather_to"]
+__all__ = ["to_device", "split_to", "broadcast", "gather_to", "reduce_add"]
 
 # Indirection so tests can exercise the autograd wiring with a CPU stand-in for torch.cuda.comm.
 _comm: Any = torch.cuda.comm
@@ -42,6 +42,12 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _all_cuda(devices: Sequence[torch.device]) -> bool:
     return all(d.type == "cuda" for d in devices)
+
+
+def _comm_can_move(tensors: Sequence[torch.Tensor]) -> bool:
+    # torch.cuda.comm hands complex tensors back as real views (view_as_real); those take the
+    # plain path, which keeps them complex.
+    return not any(t.is_complex() for t in tensors)
 
 
 class _CudaScatter(Function):
@@ -119,7 +125,7 @@ def split_to(
     """Shards of ``tensor`` along ``dim`` with the given sizes, shard ``i`` on ``devices[i]``."""
     if len(sizes) == 1:
         return [to_device(tensor, devices[0])]
-    if _all_cuda(devices) and tensor.device.type in ("cpu", "cuda"):
+    if _all_cuda(devices) and tensor.device.type in ("cpu", "cuda") and _comm_can_move([tensor]):
         return list(_CudaScatter.apply(list(devices), list(sizes), dim, tensor))
     return [to_device(shard, d) for shard, d in zip(torch.split(tensor, list(sizes), dim), devices)]
 
@@ -132,7 +138,7 @@ def broadcast(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) 
     unique = list(dict.fromkeys(devices))
     placed: dict[torch.device, list[torch.Tensor | None]] = {d: [None] * len(tensors) for d in unique}
     cuda_targets = [d for d in unique if d.type == "cuda"]
-    if len(cuda_targets) >= 2:
+    if len(cuda_targets) >= 2 and _comm_can_move(tensors):
         _broadcast_cuda(tensors, cuda_targets, placed)
     for d in unique:
         slots = placed[d]
@@ -167,6 +173,29 @@ def gather_to(tensors: Sequence[torch.Tensor], dim: int, destination: torch.devi
     """Concatenates ``tensors`` along ``dim`` on ``destination``."""
     if len(tensors) == 1:
         return to_device(tensors[0], destination)
-    if _all_cuda([t.device for t in tensors]) and destination.type in ("cpu", "cuda"):
+    if (
+        _all_cuda([t.device for t in tensors])
+        and destination.type in ("cpu", "cuda")
+        and _comm_can_move(tensors)
+    ):
         return _CudaGather.apply(destination, dim, *tensors)
     return torch.cat([to_device(t, destination) for t in tensors], dim)
+
+
+def reduce_add(tensors: Sequence[torch.Tensor], destination: torch.device) -> torch.Tensor:
+    """The sum of ``tensors`` (of one shape and dtype, on any devices) on ``destination``.
+
+    Between distinct GPUs this is one coalesced NCCL-backed reduction; otherwise the tensors
+    are moved and added in order, so the result does not depend on thread timing.
+    """
+    devices = [t.device for t in tensors]
+    distinct_gpus = _all_cuda(devices) and len(set(devices)) == len(devices)
+    # comm.reduce_add needs the destination among the sources; put it first, where the
+    # backward's broadcast starts from.
+    if len(tensors) > 1 and distinct_gpus and destination in devices and _comm_can_move(tensors):
+        ordered = sorted(tensors, key=lambda t: t.device != destination)
+        return _CudaReduceAdd.apply(destination, 1, *ordered)[0]
+    total = to_device(tensors[0], destination)
+    for t in tensors[1:]:
+        total = total + to_device(t, destination)
+    return total

@@ -33,7 +33,7 @@ __all__ = [
 NAMESPACE = "fdp"
 """The optree namespace fdp flattens in: register custom containers there."""
 
-# Types known to be leaves, so the per-call dataclass check is one set lookup per leaf.
+# Types that are always leaves, so the per-call node-type check is one set lookup per leaf.
 _LEAF_TYPES: set[type] = {
     torch.Tensor,
     torch.nn.Parameter,
@@ -48,6 +48,13 @@ _LEAF_TYPES: set[type] = {
     torch.dtype,
 }
 _REGISTERED: set[type] = set()
+# Other types found to be leaves. A user may register one with optree later, so this cache is
+# emptied whenever optree's registry changes size.
+_SEEN_LEAF_TYPES: set[type] = set()
+_seen_generation: int | None = None
+# Dataclasses that cannot be rebuilt from their fields (no generated __init__, InitVars): they
+# stay leaves, and splitting one that holds tensors is an error (see unsplittable_reason).
+OPAQUE_DATACLASSES: dict[type, str] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -58,17 +65,16 @@ def is_tensor(value: object) -> bool:
 def _register_dataclass(cls: type) -> None:
     """Registers a dataclass in the fdp namespace: init fields are children, rebuilt with cls(**fields).
 
+    A dataclass that cannot be rebuilt that way goes to :data:`OPAQUE_DATACLASSES` instead.
+
     This follows ``optree.dataclasses.register_node`` (fields whose ``metadata['pytree_node']``
     is False are metadata) without marking the user's class, so the user stays free to register
     it in their own namespace later.
     """
     params = getattr(cls, "__dataclass_params__", None)
     if params is not None and not params.init:
-        raise TypeError(
-            f"fdp cannot split the dataclass {cls.__qualname__}: it has no generated __init__ "
-            "to rebuild it with. Register it with optree.register_pytree_node (namespace='') "
-            "to say how to flatten and rebuild it."
-        )
+        OPAQUE_DATACLASSES[cls] = "it has no generated __init__ to rebuild it with"
+        return
     initvars = [
         f.name
         for f in cls.__dataclass_fields__.values()  # type: ignore[attr-defined]
@@ -77,11 +83,8 @@ def _register_dataclass(cls: type) -> None:
         and f.default_factory is dataclasses.MISSING
     ]
     if initvars:
-        raise TypeError(
-            f"fdp cannot split the dataclass {cls.__qualname__}: its InitVar field(s) "
-            f"{initvars} are not stored on the instance, so it cannot be rebuilt. Register it "
-            "with optree.register_pytree_node (namespace='') to say how to flatten and rebuild it."
-        )
+        OPAQUE_DATACLASSES[cls] = f"its InitVar field(s) {initvars} are not stored on the instance"
+        return
     fields = [f for f in dataclasses.fields(cls) if f.init]
     children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
     metadata = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
@@ -145,34 +148,61 @@ def _adopt_registration(cls: type, namespaces: list[str]) -> None:
     )
 
 
+def _registry_generation() -> int | None:
+    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+    return len(registry) if isinstance(registry, dict) else None
+
+
 def _register_new_node_types(leaves: Sequence[Any]) -> bool:
     """Makes node types of the leaves that should be containers; True if any was new.
 
     A leaf whose type a user registered with optree in another namespace gets that
     registration in fdp's; a plain dataclass gets :func:`_register_dataclass`'s.
     """
+    global _seen_generation
+    generation = _registry_generation()
+    if generation is None or generation != _seen_generation:
+        _SEEN_LEAF_TYPES.clear()
+        _seen_generation = generation
     new = False
     for leaf in leaves:
         cls = type(leaf)
-        if cls in _LEAF_TYPES or cls in _REGISTERED:
+        if cls in _LEAF_TYPES or cls in _SEEN_LEAF_TYPES or cls in _REGISTERED:
             continue
         with _REGISTRY_LOCK:
-            if cls in _REGISTERED or cls in _LEAF_TYPES:
+            if cls in _REGISTERED or cls in _SEEN_LEAF_TYPES:
                 continue
             if isinstance(leaf, type):
-                _LEAF_TYPES.add(cls)  # a class object (e.g. a dataclass type) is a value
+                _SEEN_LEAF_TYPES.add(cls)  # a class object (e.g. a dataclass type) is a value
                 continue
             namespaces = _namespaces_registering(cls)
             if namespaces:
                 _adopt_registration(cls, namespaces)
-            elif dataclasses.is_dataclass(cls):
+            elif dataclasses.is_dataclass(cls) and cls not in OPAQUE_DATACLASSES:
                 _register_dataclass(cls)
+                if cls in OPAQUE_DATACLASSES:
+                    _SEEN_LEAF_TYPES.add(cls)
+                    continue
             else:
-                _LEAF_TYPES.add(cls)
+                _SEEN_LEAF_TYPES.add(cls)
                 continue
             _REGISTERED.add(cls)
         new = True
     return new
+
+
+def unsplittable_reason(leaf: Any) -> str | None:
+    """Why ``leaf``, a dataclass fdp cannot rebuild, cannot be split, if it holds a tensor."""
+    reason = OPAQUE_DATACLASSES.get(type(leaf))
+    if reason is None:
+        return None
+    if not any(isinstance(getattr(leaf, f.name, None), torch.Tensor) for f in dataclasses.fields(leaf)):
+        return None
+    return (
+        f"fdp cannot split the dataclass {type(leaf).__qualname__}: {reason}. Register it with "
+        f"optree.register_pytree_node(..., namespace={NAMESPACE!r}) to say how to flatten and "
+        "rebuild it, or give it axis None to pass it whole"
+    )
 
 
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -129,16 +129,41 @@ def test_skeletons_hold_no_tensor_memory_and_are_cached() -> None:
     net = Net()
     for _ in range(10):
         fdp.functional_call(net, random_params(net), (torch.randn(5, 4),))
-    skeletons = _functional_call._FREE[net]
-    assert len(skeletons) == 1
-    root = skeletons[0].root
-    assert root is not net and root.fc is not net.fc
-    assert root.fc._parameters["weight"] is net.fc.weight  # the original tensor, no copy
+    assert len(_functional_call._FREE[net]) == 1
+    skeleton = _functional_call._checkout(net)  # the cached one, refreshed
+    try:
+        root = skeleton.root
+        assert root is not net and root.fc is not net.fc
+        assert root.fc._parameters["weight"] is net.fc.weight  # the original tensor, no copy
+    finally:
+        _functional_call._release(net, skeleton)
+    assert all(vars(copy) == {} for _, copy in skeleton._pairs)  # idle: holds nothing
 
 
 def test_skeletons_die_with_the_module() -> None:
     net = Net()
     fdp.functional_call(net, random_params(net), (torch.randn(5, 4),))
+    ref = weakref.ref(net)
+    del net
+    gc.collect()
+    assert ref() is None
+
+
+def test_skeletons_die_with_a_module_that_refers_to_itself() -> None:
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.register_forward_pre_hook(self.pre)  # a bound method: refers back to the module
+
+        def pre(self, module, args):
+            return None
+
+        def forward(self, x):
+            return self.fc(x)
+
+    net = Hooked()
+    fdp.functional_call(net, random_params(net), (torch.randn(3, 2),))
     ref = weakref.ref(net)
     del net
     gc.collect()

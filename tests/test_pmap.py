@@ -325,7 +325,9 @@ def test_dataclass_without_init_is_a_clear_error() -> None:
 
     value = NoInit()
     value.x = torch.zeros(4)
-    with pytest.raises(TypeError, match="cannot split the dataclass .*NoInit.*no generated __init__"):
+    with pytest.raises(
+        TypeError, match=r"args\[0\]: fdp cannot split the dataclass .*NoInit.*no generated __init__"
+    ):
         fdp.pmap(lambda d: d.x, devices=cpus(2))(value)
 
 
@@ -580,3 +582,87 @@ def test_in_place_update_of_a_mapped_input_writes_through(devices: list[str]) ->
     x = torch.zeros(7)
     fdp.pmap(lambda x: x.add_(1), devices=devices)(x)
     torch.testing.assert_close(x, torch.ones(7))
+
+
+# --- regressions from review -------------------------------------------------------------------
+
+
+def test_callable_object_attributes_do_not_shadow_pmap_settings() -> None:
+    class Scaled:
+        def __init__(self) -> None:
+            self.fn = torch.sin  # same names as pmap's own attributes
+            self.split = "whatever"
+            self.k = 3.0
+
+        def __call__(self, x):
+            return self.k * self.fn(x)
+
+    f = fdp.pmap(Scaled(), devices=cpus(2))
+    x = torch.randn(4)
+    torch.testing.assert_close(f(x), 3.0 * torch.sin(x))
+    assert f.split == "chunk"
+
+
+def test_module_parameters_and_buffers_not_given_are_replicated_inputs() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    x = torch.randn(8, 3)
+    # Training mode: BatchNorm would update the module's own buffers from every replica at once.
+    with pytest.raises(
+        RuntimeError, match=r"modified params\['1\.(num_batches_tracked|running_mean|running_var)'\]"
+    ):
+        fdp.pmap(model, devices=cpus(2))(dict(model.named_parameters()), x)
+    assert int(model[1].num_batches_tracked) <= 2
+    model.eval()
+    out = fdp.pmap(model, devices=cpus(2))({}, x)  # everything from the module
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_inference_mode_with_replicated_tensors() -> None:
+    f = fdp.pmap(lambda x, w: x * w, in_axes=(0, None), devices=cpus(3))
+    with torch.inference_mode():
+        out = f(torch.ones(6), torch.full((), 2.0))
+    torch.testing.assert_close(out, torch.full((6,), 2.0))
+
+
+def test_out_axes_list_for_list_outputs() -> None:
+    f = fdp.pmap(lambda x: [x, x.sum() * 0], out_axes=[0, None], devices=cpus(2))
+    rows, zero = f(torch.ones(4))
+    assert rows.shape == (4,) and zero.shape == ()
+
+
+def test_type_registered_after_fdp_saw_it_as_a_leaf() -> None:
+    class Late:
+        def __init__(self, x):
+            self.x = x
+
+    value = Late(torch.zeros(4))
+    with pytest.raises(ValueError, match="found no tensor to map"):
+        fdp.pmap(lambda v: v.x, devices=cpus(2))(value)
+    optree.register_pytree_node(Late, lambda v: ((v.x,), None), lambda _, c: Late(*c), namespace="late-lib")
+    out = fdp.pmap(lambda v: torch.tensor(v.x.shape[0]), devices=cpus(2))(value)
+    assert out.tolist() == [2, 2]
+
+
+def test_dataclass_as_in_axes_prefix_before_any_instance_was_seen() -> None:
+    @dataclasses.dataclass
+    class Fresh:
+        x: torch.Tensor
+        table: torch.Tensor
+
+    f = fdp.pmap(lambda b: b.x + b.table.sum(), in_axes=(Fresh(0, None),), devices=cpus(2))
+    out = f(Fresh(torch.zeros(4), torch.ones(3)))
+    torch.testing.assert_close(out, torch.full((4,), 3.0))
+
+
+def test_unrebuildable_dataclass_passes_whole_unless_it_must_be_split() -> None:
+    @dataclasses.dataclass(init=False)
+    class Config:
+        depth: int
+
+    config = Config()
+    config.depth = 3
+    seen: list[Any] = []
+    fdp.pmap(lambda x, c: x * c.depth if not seen.append(c) else x, devices=cpus(2))(torch.ones(4), config)
+    assert all(c is config for c in seen)

@@ -1,0 +1,615 @@
+"""Collectives inside mapped functions: psum, pmean, pmax, pmin, all_gather, ppermute, axis_index, axis_size.
+
+Every collective takes a pytree. Its tensor leaves are coalesced into one flat buffer per
+(device, dtype) (:class:`_Packed`), the replicas meet once in the call group's exchange
+(``_replica.CallGroup.exchange``), the last one to arrive combines the buffers for all of them
+(:class:`_Op` subclasses), and each replica unpacks its result.
+
+Differentiation, two ways:
+
+* Through the whole pmapped call (``loss.backward()`` on its output, the usual case): the
+  combination is made of ordinary differentiable torch ops on the replicas' actual tensors, so
+  the autograd graph spans the replicas and every transpose is exact by construction. Such
+  results refuse to be differentiated *inside* a replica while the call runs (the graph there
+  is only partly built), with an error that says what to do instead.
+* Inside a replica, under ``torch.func.grad``/``vjp``/``vmap``: the collective is a custom
+  autograd function whose backward is the transposed collective, run by every replica's
+  backward together (psum <-> psum, pmean <-> pmean, all_gather <-> psum_scatter,
+  ppermute <-> the inverse permutation; pmax/pmin send the cotangent to the replicas that held
+  the extreme value), as in ``jax.pmap``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from . import _replica, _transfer, _tree
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "ppermute",
+    "axis_index",
+    "axis_size",
+]
+
+
+# --- binding -----------------------------------------------------------------------------------
+
+
+def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
+    context = _replica.current()
+    if context is None or axis_name is None or context.axis_name != axis_name:
+        if context is None:
+            hint = "collectives work inside a function mapped with fdp.pmap(..., axis_name=...)"
+        elif context.axis_name is None:
+            hint = "the function being mapped was given no axis_name"
+        else:
+            hint = f"the function being mapped has axis_name={context.axis_name!r}"
+        raise NameError(f"unbound axis name: {axis_name} ({caller}: {hint})")
+    return context
+
+
+def axis_index(axis_name: Hashable) -> int:
+    """This replica's index along the mapped axis: ``0 <= axis_index < axis_size``.
+
+    Example:
+        >>> import torch, fdp
+        >>> f = fdp.pmap(lambda x: x * 0 + fdp.axis_index("i"), axis_name="i", devices=["cpu"] * 3)
+        >>> f(torch.zeros(6)).tolist()
+        [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+    """
+    return _bound(axis_name, "fdp.axis_index").index
+
+
+def axis_size(axis_name: Hashable) -> int:
+    """The number of replicas that run along the mapped axis (not the number of devices).
+
+    With ``split="chunk"``, a batch of 10 on 8 devices runs 5 replicas, and ``axis_size`` is 5.
+
+    Example:
+        >>> import torch, fdp
+        >>> f = fdp.pmap(lambda x: torch.tensor(fdp.axis_size("i")), axis_name="i", devices=["cpu"] * 8)
+        >>> f(torch.zeros(10)).tolist()
+        [5, 5, 5, 5, 5]
+    """
+    return _bound(axis_name, "fdp.axis_size").size
+
+
+# --- packing a tree into flat buffers ----------------------------------------------------------
+
+
+class _Packed:
+    """A tree's tensor leaves as one flat buffer per (device, dtype)."""
+
+    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "buffers", "metadata")
+
+    def __init__(self, tree: Any, caller: str, device: torch.device) -> None:
+        leaves, treespec = _tree.flatten(tree)
+        self.tree = tree
+        self.treespec = treespec
+        self.leaves = list(leaves)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for k, leaf in enumerate(self.leaves):
+            if isinstance(leaf, bool | int | float):
+                leaf = self.leaves[k] = torch.as_tensor(leaf, device=device)
+            elif not isinstance(leaf, torch.Tensor):
+                path = _tree.flatten_with_paths(tree, "x")[0][k]
+                raise TypeError(
+                    f"{caller} takes trees of tensors (and numbers), but {path} is a "
+                    f"{type(leaf).__name__}: {leaf!r}"
+                )
+            groups.setdefault((leaf.device, leaf.dtype), []).append(k)
+        self.keys = list(groups)
+        # slots[k] = (buffer number, offset, numel) for tensor leaf k
+        self.slots: dict[int, tuple[int, int, int]] = {}
+        self.buffers: list[torch.Tensor] = []
+        for b, key in enumerate(self.keys):
+            members = groups[key]
+            offset = 0
+            for k in members:
+                numel = self.leaves[k].numel()
+                self.slots[k] = (b, offset, numel)
+                offset += numel
+            if len(members) == 1:
+                self.buffers.append(self.leaves[members[0]].reshape(-1))
+            else:
+                self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
+        self.metadata = (treespec, tuple((t.dtype, tuple(t.shape)) for t in self.leaves))
+
+    def unpack(self, buffers: Sequence[torch.Tensor], leaf_result: Any = None) -> Any:
+        """The tree rebuilt from result buffers laid out like this one's.
+
+        ``leaf_result(leaf, piece)`` turns each leaf's flat piece into its result (default: the
+        piece in the leaf's shape).
+        """
+        out = list(self.leaves)
+        for k, (b, offset, numel) in self.slots.items():
+            piece = buffers[b].narrow(-1, offset, numel)
+            out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
+        return _tree.unflatten(self.treespec, out)
+
+
+def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
+    first = packs[0]
+    for r, packed in enumerate(packs[1:], start=1):
+        if packed.metadata == first.metadata:
+            continue
+        if packed.treespec != first.treespec:
+            raise ValueError(
+                f"{caller}: the replicas passed trees of different structure: replica 0 passed "
+                f"{first.treespec} but replica {r} passed {packed.treespec}"
+            )
+        paths = _tree.flatten_with_paths(first.tree, "x")[0]
+        for k, (a, b) in enumerate(zip(first.leaves, packed.leaves)):
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise ValueError(
+                    f"{caller}: the replicas passed different shapes or dtypes at {paths[k]}: "
+                    f"replica 0 passed {_tree.describe(a)} but replica {r} passed "
+                    f"{_tree.describe(b)}. With uneven shards (split='chunk'), reduce per-replica "
+                    "values to equal shapes first (e.g. a sum, with fdp.pmean's weight= for means)."
+                )
+
+
+# --- the operations ----------------------------------------------------------------------------
+
+
+def _distribute(
+    total: torch.Tensor, devices: Sequence[torch.device], inputs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """One tensor per replica with ``total``'s value, none aliasing another or an input."""
+    unique = list(dict.fromkeys(devices))
+    placed = dict(zip(unique, (row[0] for row in _transfer.broadcast([total], unique))))
+    handed: set[int] = {id(t) for t in inputs}
+    out = []
+    for d in devices:
+        t = placed[d]
+        if id(t) in handed:
+            t = t.clone()
+        handed.add(id(t))
+        out.append(t)
+    return out
+
+
+class _Op:
+    """A collective over flat buffers: ``combine`` computes every replica's result at once.
+
+    ``combine`` is written with differentiable torch ops (the graph-spanning mode uses it with
+    gradients on), and ``transpose`` gives the op whose exchange is this one's backward inside a
+    replica (the SPMD mode). ``in_dim``/``out_dim``: where a vmap batch dimension goes.
+    """
+
+    name = "collective"
+    in_dim = 0
+    out_dim = 0
+
+    def key(self) -> Hashable:
+        return (self.name,)
+
+    def combine(
+        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class _AllReduce(_Op):
+    """An elementwise reduction over the replicas, with optional weights.
+
+    ``scaling``: ``"none"``; ``"mean"`` (divide by the replica count); ``"weighted_in"``
+    (result = sum_j w_j x_j / sum_j w_j, the weighted mean; ``extras[r]`` is w_r) and its
+    transpose ``"weighted_out"`` (result_r = w_r / sum_j w_j * sum_j x_j).
+    """
+
+    in_dim = out_dim = 0
+    _TRANSPOSE = {
+        "none": "none",
+        "mean": "mean",
+        "weighted_in": "weighted_out",
+        "weighted_out": "weighted_in",
+    }
+
+    def __init__(self, reduce: str, scaling: str = "none") -> None:
+        self.reduce = reduce
+        self.scaling = scaling
+        self.name = {
+            "sum": "fdp.pmean" if scaling != "none" else "fdp.psum",
+            "max": "fdp.pmax",
+            "min": "fdp.pmin",
+        }[reduce]
+
+    def key(self) -> Hashable:
+        return (self.name, self.reduce, self.scaling)
+
+    def transpose(self) -> _AllReduce:
+        return _AllReduce(self.reduce, self._TRANSPOSE[self.scaling])
+
+    def combine(
+        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+    ) -> list[torch.Tensor]:
+        destination = devices[0]
+        n = len(buffers)
+        if self.reduce != "sum":
+            stacked = torch.stack([_transfer.to_device(b, destination) for b in buffers])
+            total = stacked.amax(0) if self.reduce == "max" else stacked.amin(0)
+            return _distribute(total, devices, buffers)
+        if self.scaling == "weighted_in":
+            weight_sum = sum(extras)
+            buffers = [b * (w / weight_sum) for b, w in zip(buffers, extras)]
+        total = _transfer.reduce_add(buffers, destination) if n > 1 else buffers[0]
+        if self.scaling == "mean":
+            total = total / n
+        results = _distribute(total, devices, buffers)
+        if self.scaling == "weighted_out":
+            weight_sum = sum(extras)
+            results = [t * (w / weight_sum) for t, w in zip(results, extras)]
+        return results
+
+
+class _AllGather(_Op):
+    """result_r = stack_j(x_j) along a new leading dim; transpose: psum_scatter."""
+
+    name = "fdp.all_gather"
+    in_dim, out_dim = 0, 1
+
+    def combine(
+        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+    ) -> list[torch.Tensor]:
+        stacked = torch.stack([_transfer.to_device(b, devices[0]) for b in buffers])
+        return _distribute(stacked, devices, buffers)
+
+
+class _ReduceScatter(_Op):
+    """result_r = (sum_j x_j)[r] for x_j of shape (n, ...); transpose: all_gather."""
+
+    name = "fdp.psum_scatter"
+    in_dim, out_dim = 1, 0
+
+    def combine(
+        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+    ) -> list[torch.Tensor]:
+        moved = [_transfer.to_device(b, devices[0]) for b in buffers]
+        total = _transfer.reduce_add(moved, devices[0])
+        return [_transfer.to_device(total[r], d).clone() for r, d in enumerate(devices)]
+
+
+class _Permute(_Op):
+    """result_dst = x_src for every (src, dst) pair; zeros where nothing arrives."""
+
+    name = "fdp.ppermute"
+    in_dim = out_dim = 0
+
+    def __init__(self, perm: tuple[tuple[int, int], ...]) -> None:
+        self.perm = perm
+        self.source_of = {dst: src for src, dst in perm}
+
+    def key(self) -> Hashable:
+        return (self.name, self.perm)
+
+    def inverse(self) -> _Permute:
+        return _Permute(tuple((dst, src) for src, dst in self.perm))
+
+    def combine(
+        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+    ) -> list[torch.Tensor]:
+        out = []
+        for dst, device in enumerate(devices):
+            src = self.source_of.get(dst)
+            if src is None:
+                out.append(torch.zeros_like(buffers[dst]))
+            else:
+                moved = _transfer.to_device(buffers[src], device)
+                out.append(moved.clone() if moved is buffers[src] else moved)
+        return out
+
+
+# --- running an op: the two differentiation modes ----------------------------------------------
+
+
+def _exchange(
+    op: _Op,
+    context: _replica.ReplicaContext,
+    buffers: Sequence[torch.Tensor],
+    extra: Any,
+    layout: _Packed | None,
+) -> list[torch.Tensor]:
+    """Every replica's buffers in, this replica's result buffers out.
+
+    ``layout`` (the packed tree, or None for a backward's cotangents, whose layout is the
+    forward's) lets the last replica check that all of them passed the same shapes.
+    """
+
+    def combine(payloads: list[tuple[Any, Sequence[torch.Tensor], Any]]) -> list[list[torch.Tensor]]:
+        if payloads[0][0] is not None:
+            _check_same_layout([p[0] for p in payloads], op.name)
+        per_buffer = [
+            op.combine([p[1][b] for p in payloads], [p[2] for p in payloads], context.group.devices)
+            for b in range(len(buffers))
+        ]
+        return [[results[r] for results in per_buffer] for r in range(len(payloads))]
+
+    return context.group.exchange(context.index, op.key(), (layout, tuple(buffers), extra), combine)
+
+
+class _Spmd(torch.autograd.Function):
+    """A collective inside a torch.func transform: backward is the transposed collective."""
+
+    @staticmethod
+    def forward(
+        op: _Op, context: Any, extra: Any, layout: Any, *buffers: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(_exchange(op, context, buffers, extra, layout))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        op, context, extra, _, *buffers = inputs
+        ctx.op, ctx.context, ctx.extra = op, context, extra
+        if isinstance(op, _AllReduce) and op.reduce != "sum":
+            ctx.save_for_backward(*buffers, *output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        op, context = ctx.op, ctx.context
+        if context.group.done:
+            raise RuntimeError(
+                f"{op.name}'s backward inside a torch.func transform ran after the pmapped call "
+                "returned; every replica must run it together, inside the mapped function"
+            )
+        if isinstance(op, _AllReduce) and op.reduce == "sum":
+            result = _Spmd.apply(op.transpose(), context, ctx.extra, None, *grads)
+        elif isinstance(op, _AllReduce):  # max/min: the cotangent goes where the extreme was
+            n = len(grads)
+            inputs, outputs = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+            masks = [(x == y).to(g.dtype) for x, y, g in zip(inputs, outputs, grads)]
+            sums = _Spmd.apply(_AllReduce("sum"), context, None, None, *grads, *masks)
+            result = tuple(s * m / t for s, t, m in zip(sums[:n], sums[n:], masks))
+        elif isinstance(op, _AllGather):
+            result = _Spmd.apply(_ReduceScatter(), context, None, None, *grads)
+        elif isinstance(op, _ReduceScatter):
+            result = _Spmd.apply(_AllGather(), context, None, None, *grads)
+        else:
+            assert isinstance(op, _Permute)
+            result = _Spmd.apply(op.inverse(), context, None, None, *grads)
+        return (None, None, None, None, *result)
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[Any, ...],
+        op: _Op,
+        context: Any,
+        extra: Any,
+        layout: Any,
+        *buffers: torch.Tensor,
+    ) -> Any:
+        moved = [
+            b.unsqueeze(op.in_dim).expand(*b.shape[: op.in_dim], info.batch_size, *b.shape[op.in_dim :])
+            if d is None
+            else b.movedim(d, op.in_dim)
+            for b, d in zip(buffers, in_dims[4:])
+        ]
+        return _Spmd.apply(op, context, extra, layout, *moved), (op.out_dim,) * len(buffers)
+
+
+class _OuterBackwardOnly(torch.autograd.Function):
+    """Identity; its backward refuses to run while the call that made it is still running."""
+
+    @staticmethod
+    def forward(ctx: Any, group: _replica.CallGroup, name: str, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.name = group, name
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:  # type: ignore[override]
+        if not ctx.group.done:
+            raise RuntimeError(
+                f"torch.autograd was asked to differentiate through {ctx.name} inside the mapped "
+                "function, while the other replicas' parts of the graph are still being built. "
+                "Differentiate inside the mapped function with torch.func (grad, vjp, "
+                "grad_and_value), where collectives have JAX's transposes, or call backward() on "
+                "the pmapped function's output."
+            )
+        return None, None, grad
+
+
+def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_Packed, list[torch.Tensor]]:
+    """Packs ``tree`` and runs ``op`` in the mode that fits how the replica differentiates."""
+    context = _bound(axis_name, op.name)
+    packed = _Packed(tree, op.name, context.device)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
+    results = _exchange(op, context, packed.buffers, extra, packed)
+    if torch.is_grad_enabled():
+        results = [
+            _OuterBackwardOnly.apply(context.group, op.name, r) if r.requires_grad else r for r in results
+        ]
+    return packed, results
+
+
+# --- the public collectives --------------------------------------------------------------------
+
+
+def psum(x: Any, axis_name: Hashable) -> Any:
+    """Sums ``x`` over the replicas of ``axis_name``: every replica gets the total.
+
+    ``x`` is a pytree of tensors (numbers are taken as 0-dim tensors); every replica must pass
+    the same structure, shapes and dtypes. All leaves travel in one exchange, coalesced into one
+    flat buffer per device and dtype. Differentiable: see ``docs/collectives.md``.
+
+    Args:
+        x: a pytree of tensors.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+
+    Returns:
+        A tree like ``x`` holding the sums, on this replica's devices.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+        ValueError: the replicas passed different structures, shapes or dtypes.
+
+    Example:
+        >>> import torch, fdp
+        >>> f = fdp.pmap(lambda x: x - fdp.psum(x.sum(), "i"), axis_name="i", devices=["cpu"] * 2)
+        >>> f(torch.arange(4.0))
+        tensor([-6., -5., -4., -3.])
+    """
+    packed, results = _run(_AllReduce("sum"), x, axis_name)
+    return packed.unpack(results)
+
+
+def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any:
+    """Averages ``x`` over the replicas of ``axis_name``, optionally weighted.
+
+    With ``weight`` (a number or 0-dim tensor per replica, e.g. the replica's number of rows),
+    the result is ``sum_r weight_r * x_r / sum_r weight_r``. That makes the average of
+    per-replica mean losses or gradients exact under uneven shards: with ``split="chunk"``, 30
+    rows over 8 replicas are 7 shards of 4 and one of 2, and an unweighted mean would count the
+    short shard's rows twice.
+
+    Args:
+        x: a pytree of floating-point tensors.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        weight: this replica's weight, or ``None`` for equal weights. Default: ``None``.
+
+    Returns:
+        A tree like ``x`` holding the means.
+
+    Example:
+        >>> import torch, fdp
+        >>> @fdp.pmap(axis_name="i", devices=["cpu"] * 2, out_axes=None)
+        ... def mean_of_means(x):
+        ...     return fdp.pmean(x.mean(), "i", weight=x.shape[0])
+        >>> mean_of_means(torch.tensor([1.0, 2.0, 3.0]))  # shards [1, 2] and [3]
+        tensor(2.)
+    """
+    _check_floating(x, "fdp.pmean")
+    if weight is None:
+        packed, results = _run(_AllReduce("sum", "mean"), x, axis_name)
+        return packed.unpack(results)
+    value = float(weight)
+    if not value >= 0:
+        raise ValueError(f"fdp.pmean: weight must be a non-negative number, got {weight!r}")
+    packed, results = _run(_AllReduce("sum", "weighted_in"), x, axis_name, value)
+    return packed.unpack(results)
+
+
+def _check_floating(x: Any, caller: str) -> None:
+    paths, leaves, _ = _tree.flatten_with_paths(x, "x")
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{caller} averages floating-point tensors, but {path} is {_tree.describe(leaf)}; "
+                "use fdp.psum for integer counts"
+            )
+
+
+def pmax(x: Any, axis_name: Hashable) -> Any:
+    """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
+
+    Example:
+        >>> import torch, fdp
+        >>> largest = fdp.pmap(lambda x: fdp.pmax(x, "i"), axis_name="i", devices=["cpu"] * 3)
+        >>> largest(torch.tensor([3.0, 1.0, 2.0]))
+        tensor([3., 3., 3.])
+    """
+    packed, results = _run(_AllReduce("max"), x, axis_name)
+    return packed.unpack(results)
+
+
+def pmin(x: Any, axis_name: Hashable) -> Any:
+    """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
+
+    Example:
+        >>> import torch, fdp
+        >>> smallest = fdp.pmap(lambda x: fdp.pmin(x, "i"), axis_name="i", devices=["cpu"] * 3)
+        >>> smallest(torch.tensor([3.0, 1.0, 2.0]))
+        tensor([1., 1., 1.])
+    """
+    packed, results = _run(_AllReduce("min"), x, axis_name)
+    return packed.unpack(results)
+
+
+def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any:
+    """Every replica's ``x``, on every replica.
+
+    Args:
+        x: a pytree of tensors, of equal shapes on every replica.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        dim: where the replicas' values go. Untiled, a new dim of size ``axis_size`` is inserted
+            at ``dim`` (of the result's rank; ``-1`` is last); tiled, they are concatenated along
+            the existing ``dim``. Default: ``0``.
+        tiled: concatenate instead of stacking. Default: ``False``.
+
+    Returns:
+        A tree like ``x``; each leaf with the replicas' values stacked or concatenated.
+
+    Example:
+        >>> import torch, fdp
+        >>> f = fdp.pmap(lambda x: fdp.all_gather(x, "i"), axis_name="i", devices=["cpu"] * 2, out_axes=None)
+        >>> f(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        tensor([[[1., 2.]],
+        <BLANKLINE>
+                [[3., 4.]]])
+    """
+    caller = "fdp.all_gather"
+    context = _bound(axis_name, caller)
+    n = context.size
+
+    def check_dim(k: int, leaf: torch.Tensor) -> int:
+        rank = leaf.dim() if tiled else leaf.dim() + 1
+        if not -rank <= dim < rank or (tiled and leaf.dim() == 0):
+            raise ValueError(
+                f"{caller}: dim={dim} is out of range for a {'tiled' if tiled else 'stacked'} "
+                f"gather of a tensor of shape {tuple(leaf.shape)}"
+            )
+        return dim % rank
+
+    packed, results = _run(_AllGather(), x, axis_name)
+
+    def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
+        leaf = packed.leaves[k]
+        d = check_dim(k, leaf)
+        stacked = piece.reshape(n, *leaf.shape).movedim(0, d)
+        return stacked.flatten(d, d + 1) if tiled else stacked
+
+    return packed.unpack(results, leaf_result)
+
+
+def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
+    """Sends each replica's ``x`` to another: ``perm`` is a sequence of ``(source, destination)`` pairs.
+
+    A replica that is no pair's destination gets zeros, as in ``jax.lax.ppermute``. Sources must
+    be distinct, and so must destinations.
+
+    Example:
+        >>> import torch, fdp
+        >>> shift_right = lambda x: fdp.ppermute(x, "i", [(0, 1), (1, 2)])
+        >>> shift = fdp.pmap(shift_right, axis_name="i", devices=["cpu"] * 3)
+        >>> shift(torch.tensor([1.0, 2.0, 3.0]))
+        tensor([0., 1., 2.])
+    """
+    caller = "fdp.ppermute"
+    context = _bound(axis_name, caller)
+    try:
+        pairs = tuple((int(src), int(dst)) for src, dst in perm)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{caller}: perm must be a sequence of (source, destination) pairs, got {perm!r}"
+        ) from None
+    sources = [src for src, _ in pairs]
+    destinations = [dst for _, dst in pairs]
+    if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
+        raise ValueError(f"{caller}: sources and destinations in perm must be unique, got {list(pairs)}")
+    for index in sources + destinations:
+        if not 0 <= index < context.size:
+            raise ValueError(
+                f"{caller}: perm {list(pairs)} names replica {index}, but {context.size} replicas run "
+                f"along axis {axis_name!r} (the batch may have fewer shards than devices)"
+            )
+    packed, results = _run(_Permute(pairs), x, axis_name)
+    return packed.unpack(results)

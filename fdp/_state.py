@@ -1,0 +1,133 @@
+"""State resident on the devices: one value per replica, placed once, kept across calls.
+
+A :class:`PerReplica` leaf holds one value per replica, each on its replica's device: what
+``jax.pmap`` keeps as an array with a leading device axis. Passed to a pmapped function (under
+any ``in_axes``), replica ``r`` gets ``values[r]`` as it is, with no copy and no transfer; with
+``out_axes=fdp.PER_REPLICA`` a function's outputs stay where the replicas made them. A training
+step that takes and returns its state that way moves only what its collectives move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+import optree
+import torch
+
+from . import _devices, _tree
+
+__all__ = ["PerReplica", "PER_REPLICA", "device_put_replicated", "unreplicate"]
+
+
+class PerReplica:
+    """One value per replica, each on its replica's device.
+
+    Args:
+        values: the replicas' values, in replica order.
+        devices: their devices (one per value).
+
+    Example:
+        >>> import torch, fdp
+        >>> state = fdp.device_put_replicated({"w": torch.zeros(2)}, ["cpu", "cpu"])
+        >>> state["w"]
+        PerReplica(2 replicas on cpu, cpu: float32[2])
+        >>> state["w"][1]
+        tensor([0., 0.])
+    """
+
+    __slots__ = ("values", "devices")
+
+    def __init__(self, values: Sequence[Any], devices: Sequence[torch.device]) -> None:
+        if len(values) != len(devices):
+            raise ValueError(
+                f"PerReplica needs one device per value, got {len(values)} values and {len(devices)} devices"
+            )
+        self.values = tuple(values)
+        self.devices = tuple(devices)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.values[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.values)
+
+    def __repr__(self) -> str:
+        devices = ", ".join(str(d) for d in self.devices)
+        return f"PerReplica({len(self.values)} replicas on {devices}: {_tree.describe(self.values[0])})"
+
+
+class _PerReplicaAxis:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "fdp.PER_REPLICA"
+
+    def __reduce__(self) -> str:
+        return "PER_REPLICA"
+
+
+PER_REPLICA: Final = _PerReplicaAxis()
+"""An ``out_axes`` entry: keep every replica's value on its device, as :class:`PerReplica` leaves."""
+
+
+def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> Any:
+    """Places an independent copy of every tensor of ``tree`` on every device, once.
+
+    The resident form of training state (``jax.device_put_replicated``, flax's ``replicate``):
+    each tensor leaf becomes a :class:`PerReplica` leaf. Every replica's copy is its own tensor,
+    detached from ``tree``, also for duplicate devices such as ``["cpu", "cpu"]``, so replicas
+    may update their state in place without touching each other's. Non-tensor leaves stay as
+    they are (every replica gets them anyway).
+
+    Args:
+        tree: a pytree, e.g. ``{"params": ..., "opt_state": ...}``.
+        devices: one device per replica (duplicates allowed).
+
+    Returns:
+        ``tree`` with every tensor leaf replaced by a :class:`PerReplica`.
+
+    Example:
+        >>> import torch, fdp
+        >>> state = fdp.device_put_replicated({"w": torch.ones(2), "step": 0}, ["cpu"] * 3)
+        >>> len(state["w"]), state["step"]
+        (3, 0)
+    """
+    resolved = _devices.resolve_devices(devices, what="fdp.device_put_replicated devices")
+
+    def place(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        source = leaf.detach()
+        copies = [source.to(d, copy=True) for d in resolved]
+        return PerReplica(copies, resolved)
+
+    _tree.flatten(tree)  # registers dataclasses
+    return optree.tree_map(place, tree, namespace=_tree.NAMESPACE)
+
+
+def unreplicate(tree: Any, index: int = 0) -> Any:
+    """One replica's copy of a tree of :class:`PerReplica` leaves (flax's ``unreplicate``).
+
+    Args:
+        tree: a pytree whose leaves may be :class:`PerReplica`; other leaves are kept.
+        index: which replica's copy. Default: ``0``.
+
+    Returns:
+        ``tree`` with every :class:`PerReplica` replaced by its ``index``-th value (on that
+        replica's device).
+
+    Example:
+        >>> import torch, fdp
+        >>> fdp.unreplicate(fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu"] * 2))
+        {'w': tensor([1., 1.])}
+    """
+    _tree.flatten(tree)  # registers dataclasses
+    return optree.tree_map(
+        lambda leaf: leaf.values[index] if isinstance(leaf, PerReplica) else leaf,
+        tree,
+        namespace=_tree.NAMESPACE,
+    )
