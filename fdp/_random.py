@@ -19,6 +19,7 @@ rather than silently using the global generator.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -86,7 +87,8 @@ class _RngMode(TorchFunctionMode):
         g = self.generators.get(device)
         if g is None:
             g = self.generators[device] = torch.Generator(device)
-            g.manual_seed(fold_in(self.seed, hash(str(device)) & _MASK64))
+            # crc32, not hash(): str hashes differ between processes, and so would the draws.
+            g.manual_seed(fold_in(self.seed, zlib.crc32(str(device).encode())))
         return g
 
     def dropout(
@@ -180,6 +182,10 @@ _SAMPLERS: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
             torch.Tensor.geometric_,
             torch.Tensor.log_normal_,
             torch.Tensor.cauchy_,
+            # These dispatch on the init function itself (the others call Tensor samplers):
+            torch.nn.init.uniform_,
+            torch.nn.init.normal_,
+            torch.nn.init.kaiming_uniform_,
         ],
         _device_of_first,
     ),

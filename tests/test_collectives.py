@@ -1,0 +1,397 @@
+"""Collectives, ported from the behaviour JAX's tests/pmap_test.py checks, on CPU replicas.
+
+Each replica gets one row of ``x`` (``n`` rows, ``n`` replicas), so a collective over the
+replicas is a reduction over the rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import cpus
+
+import fdp
+from fdp import _replica
+
+N = 4
+
+
+def per_row(fn: Callable[..., Any], n: int = N, **options: Any) -> Callable[..., Any]:
+    """fn mapped with one row per replica; each replica sees its row as a (1, ...) tensor."""
+    return fdp.pmap(fn, axis_name="i", devices=cpus(n), **options)
+
+
+def rows(n: int = N, width: int = 3, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.arange(n * width, dtype=dtype).reshape(n, width) * 0.5 - 2
+
+
+# --- reductions --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("collective", "reduce"),
+    [
+        (fdp.psum, lambda x: x.sum(0, keepdim=True)),
+        (fdp.pmean, lambda x: x.mean(0, keepdim=True)),
+        (fdp.pmax, lambda x: x.amax(0, keepdim=True)),
+        (fdp.pmin, lambda x: x.amin(0, keepdim=True)),
+    ],
+)
+def test_reductions_equal_reductions_over_the_batch(collective: Any, reduce: Any) -> None:
+    x = rows()
+    out = per_row(lambda x: collective(x, "i"))(x)
+    torch.testing.assert_close(out, reduce(x).expand(N, -1))
+
+
+def test_mean_subtraction() -> None:  # JAX: testMean
+    x = rows()
+    torch.testing.assert_close(per_row(lambda x: x - fdp.pmean(x, "i"))(x), x - x.mean(0))
+
+
+def test_partially_mapped() -> None:  # JAX: testPartiallyMapped
+    x, y = torch.tensor(3.0), rows()
+    g = per_row(lambda x, y: x - fdp.psum(y, "i"), in_axes=(None, 0))
+    torch.testing.assert_close(g(x, y), (x - y.sum(0, keepdim=True)).expand(N, -1))
+
+
+def test_in_and_out_axes_other_than_0() -> None:
+    x = rows().T.contiguous()  # (3, N): replicas along dim 1
+    f = per_row(lambda x: x - fdp.pmean(x, "i"), in_axes=1, out_axes=1)
+    torch.testing.assert_close(f(x), x - x.mean(1, keepdim=True))
+
+
+def test_collectives_over_dicts_with_mixed_dtypes() -> None:
+    tree = {
+        "a": rows(dtype=torch.float32),
+        "b": rows(width=2, dtype=torch.float64),
+        "n": torch.arange(N, dtype=torch.int64)[:, None],
+        "c": [rows(width=1, dtype=torch.float32)],
+    }
+    out = per_row(lambda t: fdp.psum(t, "i"))(tree)
+    for key in ("a", "b", "n"):
+        assert out[key].dtype == tree[key].dtype
+        torch.testing.assert_close(out[key], tree[key].sum(0, keepdim=True).expand(N, -1))
+    torch.testing.assert_close(out["c"][0], tree["c"][0].sum(0, keepdim=True).expand(N, -1))
+    means = per_row(lambda t: fdp.pmean(t, "i"))({k: tree[k] for k in ("a", "b")})
+    torch.testing.assert_close(means["b"], tree["b"].mean(0, keepdim=True).expand(N, -1))
+
+
+def test_psum_of_numbers_counts_replicas() -> None:
+    out = fdp.pmap(lambda x: fdp.psum(1, "i") + x * 0, axis_name="i", devices=cpus(8))(torch.zeros(10))
+    assert out.tolist() == [5.0] * 10  # 10 rows over 8 devices: 5 replicas
+
+
+def test_one_exchange_per_call_with_one_buffer_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    exchange = _replica.CallGroup.exchange
+
+    def counting(self, index, what, payload, combine):
+        calls.append(len(payload[1]))  # buffers this replica brought
+        return exchange(self, index, what, payload, combine)
+
+    monkeypatch.setattr(_replica.CallGroup, "exchange", counting)
+    tree = {f"w{k}": torch.randn(N, 3) for k in range(10)} | {
+        f"d{k}": torch.randn(N, 2).double() for k in range(5)
+    }
+    per_row(lambda t: fdp.psum(t, "i"))(tree)
+    assert calls == [2] * N  # one exchange per replica, two flat buffers (float32, float64)
+
+
+# --- all_gather --------------------------------------------------------------------------------
+
+
+def test_all_gather_untiled() -> None:  # JAX: testGather
+    x = rows()
+    out = per_row(lambda x: fdp.all_gather(x[0], "i"))(x)
+    torch.testing.assert_close(out, torch.stack([x] * N).reshape(N * N, -1))
+
+
+def test_all_gather_bool() -> None:  # JAX: testGatherBool
+    x = rows() > 0
+    out = per_row(lambda x: fdp.all_gather(x[0], "i"), out_axes=None)(x)
+    assert torch.equal(out, x)
+
+
+def test_all_gather_negative_dim() -> None:  # JAX: testGatherNegativeAxis
+    x = rows()
+    out = per_row(lambda x: fdp.all_gather(x[0], "i", dim=-1), out_axes=None)(x)
+    torch.testing.assert_close(out, x.T)
+
+
+def test_all_gather_tiled() -> None:  # JAX: testGatherTiled
+    x = rows()
+    out = per_row(lambda x: fdp.all_gather(x, "i", tiled=True), out_axes=None)(x)
+    torch.testing.assert_close(out, x)
+
+
+def test_all_gather_tiled_negative_dim() -> None:  # JAX: testGatherTiledNegativeAxis
+    x = torch.arange(N * 4 * 3, dtype=torch.float32).reshape(N, 4, 3)
+    out = per_row(lambda x: fdp.all_gather(x[0], "i", dim=-1, tiled=True), out_axes=None)(x)
+    torch.testing.assert_close(out, x.permute(1, 0, 2).reshape(4, -1))
+
+
+def test_all_gather_bad_dim() -> None:
+    with pytest.raises(ValueError, match="dim=3 is out of range for a stacked gather"):
+        per_row(lambda x: fdp.all_gather(x[0], "i", dim=3))(rows())
+
+
+# --- ppermute, axis_index, axis_size ------------------------------------------------------------
+
+
+def test_ppermute_rotation() -> None:  # JAX: testCollectivePermute
+    rotation = [(i, (i + 1) % N) for i in range(N)]
+    x = rows()
+    torch.testing.assert_close(per_row(lambda x: fdp.ppermute(x, "i", rotation))(x), x.roll(1, 0))
+
+
+def test_ppermute_destination_without_source_gets_zeros() -> None:
+    shift = [(i, i + 1) for i in range(N - 1)]
+    x = rows() + 10
+    out = per_row(lambda x: fdp.ppermute(x, "i", zip(*zip(*shift))))(x)  # any iterable of pairs
+    torch.testing.assert_close(out[0], torch.zeros(3))
+    torch.testing.assert_close(out[1:], x[:-1])
+
+
+@pytest.mark.parametrize(
+    ("perm", "match"),
+    [
+        ([(0, 1), (0, 2)], "sources and destinations in perm must be unique"),
+        ([(0, 7)], r"names replica 7, but 4 replicas run"),
+        ([(0,)], "perm must be a sequence of"),
+    ],
+)
+def test_ppermute_bad_perm(perm: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        per_row(lambda x: fdp.ppermute(x, "i", perm))(rows())
+
+
+def test_axis_index_and_size() -> None:
+    out = fdp.pmap(
+        lambda x: torch.stack([torch.tensor(fdp.axis_index("i")), torch.tensor(fdp.axis_size("i"))])[None],
+        axis_name="i",
+        devices=cpus(8),
+    )(torch.zeros(10))
+    assert out.tolist() == [[r, 5] for r in range(5)]  # five replicas of 2 rows
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+def test_unbound_axis_names() -> None:
+    with pytest.raises(NameError, match="unbound axis name: i"):
+        fdp.psum(torch.ones(1), "i")
+    with pytest.raises(NameError, match=r"unbound axis name: j .*axis_name='i'"):
+        per_row(lambda x: fdp.psum(x, "j"))(rows())
+    with pytest.raises(NameError, match="unbound axis name: i .*no axis_name"):
+        fdp.pmap(lambda x: fdp.axis_index("i") + x, devices=cpus(2))(torch.zeros(2))
+
+
+# --- differentiation through the whole call -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "collective",
+    [
+        lambda x: fdp.psum(x, "i"),
+        lambda x: fdp.pmean(x, "i"),
+        lambda x: fdp.pmax(x, "i"),
+        lambda x: fdp.pmin(x, "i"),
+        lambda x: fdp.all_gather(x[0], "i"),
+        lambda x: fdp.all_gather(x, "i", tiled=True, dim=-1),
+        lambda x: fdp.ppermute(x, "i", [(0, 2), (2, 1), (1, 0)]),
+        lambda x: fdp.pmean(x.sin(), "i", weight=float(fdp.axis_index("i") + 1)),
+    ],
+    ids=["psum", "pmean", "pmax", "pmin", "all_gather", "all_gather_tiled", "ppermute", "pmean_weighted"],
+)
+def test_gradcheck_of_the_pmapped_function(collective: Any) -> None:  # JAX: testGradOfPsum, ...
+    x = torch.randn(N, 3, dtype=torch.float64, requires_grad=True)
+    f = per_row(lambda x: collective(x) * (1 + x.sum()))
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))
+
+
+def test_inner_autograd_through_a_collective_is_refused() -> None:
+    def f(x):
+        total = fdp.psum(x.square().sum(), "i")
+        (g,) = torch.autograd.grad(total, x)
+        return g
+
+    with pytest.raises(RuntimeError, match="differentiate through fdp.psum inside the mapped function"):
+        per_row(f)(rows().requires_grad_())
+
+
+# --- differentiation inside replicas: JAX's transposes -------------------------------------------
+
+
+def test_grad_of_psum_inside_replicas() -> None:
+    # psum's transpose is psum: each replica's gradient is the sum of the cotangents, n * 2x.
+    x = rows()
+    out = per_row(lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x))(x)
+    torch.testing.assert_close(out, N * 2 * x)
+
+
+def test_grad_inside_pmap_with_psum_in_between() -> None:
+    w = torch.randn(3)
+
+    def step(x):
+        def loss(x):
+            h = torch.tanh(x) * w
+            total = fdp.psum(h, "i")  # every replica sees the whole sum
+            return (total**2).sum()
+
+        return torch.func.grad(loss)(x)
+
+    x = rows()
+    out = per_row(step)(x)
+    # d/dx_r of sum_j loss_j where loss_j = |sum_k tanh(x_k) w|^2 on every replica (n copies).
+    total = (torch.tanh(x) * w).sum(0)
+    expected = N * 2 * total * w * (1 - torch.tanh(x) ** 2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grad_of_all_gather_is_psum_scatter() -> None:
+    weights = torch.randn(N, 3)
+    out = per_row(lambda x: torch.func.grad(lambda x: (fdp.all_gather(x[0], "i") * weights).sum())(x))(rows())
+    torch.testing.assert_close(out, N * weights)
+
+
+def test_grad_of_ppermute_is_the_inverse_permutation() -> None:  # JAX: testCollectivePermuteGrad
+    shift = [(i, i + 1) for i in range(N - 1)]
+    y = torch.pi + torch.arange(N, dtype=torch.float32)
+
+    def f(x):
+        mine = y[fdp.axis_index("i")]
+        return torch.func.grad(lambda x: (mine * fdp.ppermute(x, "i", shift)).sum())(x)
+
+    out = per_row(f)(torch.arange(N, dtype=torch.float32))
+    torch.testing.assert_close(out, torch.cat([torch.pi + torch.arange(1, N), torch.zeros(1)]))
+
+
+def test_grad_of_pmax_goes_to_the_largest() -> None:
+    x = torch.tensor([1.0, 5.0, 3.0, 5.0])
+    out = per_row(lambda x: torch.func.grad(lambda x: fdp.pmax(x, "i").sum())(x))(x)
+    torch.testing.assert_close(out, torch.tensor([0.0, 2.0, 0.0, 2.0]))  # n cotangents, split over the tie
+
+
+def test_double_grad_inside_replicas() -> None:
+    x = rows()
+    second = per_row(
+        lambda x: torch.func.grad(lambda x: torch.func.grad(lambda x: fdp.psum((x**3).sum(), "i"))(x).sum())(
+            x
+        )
+    )(x)
+    # The inner grad is psum(1) * 3x^2 = 3n x^2 (the transpose sums constant cotangents).
+    torch.testing.assert_close(second, N * 6 * x)
+
+
+def test_vmap_inside_replicas() -> None:
+    x = torch.randn(N * 2, 3)  # two rows per replica, one vmap lane each
+    out = fdp.pmap(
+        lambda x: torch.func.vmap(lambda row: fdp.psum(row, "i"))(x), axis_name="i", devices=cpus(N)
+    )(x)
+    lanes = x.reshape(N, 2, 3).sum(0)
+    torch.testing.assert_close(out, lanes.repeat(N, 1))
+
+
+# --- no deadlock, ever ---------------------------------------------------------------------------
+
+
+def finishes(call: Callable[[], Any], seconds: float = 20.0) -> Any:
+    """Runs ``call`` in a thread; fails the test if it does not return in time."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append(("ok", call()))
+        except BaseException as error:  # noqa: BLE001
+            outcome.append(("error", error))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the call hung"
+    kind, value = outcome[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_failing_replica_releases_the_others(where: str) -> None:
+    def f(x):
+        if where == "before" and fdp.axis_index("i") == 2:
+            raise Boom("before the psum")
+        y = fdp.psum(x, "i")
+        if where == "after" and fdp.axis_index("i") == 2:
+            raise Boom("after the psum")
+        return fdp.psum(y, "i")
+
+    with pytest.raises(Boom, match=f"{where} the psum") as info:
+        finishes(lambda: per_row(f)(rows()))
+    assert any("raised by replica 2 of 4" in note for note in info.value.__notes__)
+    torch.testing.assert_close(
+        finishes(lambda: per_row(lambda x: fdp.psum(x, "i"))(rows()))[0], rows().sum(0)
+    )
+
+
+def test_a_replica_that_skips_a_collective() -> None:
+    def f(x):
+        if fdp.axis_index("i") == 1:
+            return x
+        return fdp.psum(x, "i")
+
+    with pytest.raises(RuntimeError, match=r"replica 1 returned without calling fdp.psum"):
+        finishes(lambda: per_row(f)(rows()))
+
+
+def test_replicas_calling_different_collectives() -> None:
+    def f(x):
+        return fdp.psum(x, "i") if fdp.axis_index("i") == 0 else fdp.pmax(x, "i")
+
+    with pytest.raises(ValueError, match="the replicas called different collectives"):
+        finishes(lambda: per_row(f)(rows()))
+
+
+def test_replicas_passing_different_shapes() -> None:
+    with pytest.raises(
+        ValueError, match=r"different shapes or dtypes at x\['v'\]: replica 0 passed float32\[4\]"
+    ):
+        finishes(
+            lambda: fdp.pmap(lambda x: fdp.psum({"v": x}, "i"), axis_name="i", devices=cpus(8))(
+                torch.zeros(30)
+            )
+        )
+
+
+def test_pmean_of_integers_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"fdp.pmean averages floating-point tensors, but x is int64\[1\]"):
+        per_row(lambda x: fdp.pmean(x, "i"))(torch.arange(N))
+
+
+def test_concurrent_calls_with_collectives_do_not_deadlock() -> None:
+    f = per_row(lambda x: x - fdp.pmean(x, "i"))
+    g = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=cpus(3))
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(10):
+                results.append((f if k % 2 else g)(rows(4 if k % 2 else 3)))
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors and len(results) == 80

@@ -1,0 +1,119 @@
+"""Explicit randomness: fold_in, replica_seed, rng_scope."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import cpus
+from torch import nn
+
+import fdp
+
+
+def draws() -> list[torch.Tensor]:
+    x = torch.ones(4, 3, 5, 5)
+    return [
+        F.dropout(torch.ones(64), 0.5),
+        F.dropout2d(x, 0.5),
+        F.dropout1d(torch.ones(4, 3, 5), 0.5),
+        F.dropout3d(torch.ones(2, 3, 2, 2, 2), 0.5),
+        torch.rand(5),
+        torch.randn(2, 2),
+        torch.randint(0, 10, (5,)),
+        torch.randperm(7),
+        torch.rand_like(torch.zeros(3)),
+        torch.bernoulli(torch.full((6,), 0.5)),
+        torch.normal(torch.zeros(3), torch.ones(3)),
+        torch.multinomial(torch.ones(5), 3),
+        torch.empty(4).uniform_(),
+        torch.empty(4).normal_(),
+        nn.Linear(3, 3).weight.detach(),
+        nn.init.xavier_normal_(torch.empty(3, 3)),
+    ]
+
+
+def test_scope_makes_every_draw_reproducible() -> None:
+    with fdp.rng_scope(11):
+        first = draws()
+    torch.manual_seed(123)  # the global generator has no say inside the scope
+    with fdp.rng_scope(11):
+        second = draws()
+    with fdp.rng_scope(12):
+        other = draws()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert sum(not torch.equal(a, b) for a, b in zip(first, other)) >= len(first) - 1
+
+
+def test_draws_repeat_across_processes() -> None:
+    script = (
+        "import torch, fdp\n"
+        "with fdp.rng_scope(5):\n"
+        "    print(torch.rand(4).tolist(), torch.nn.functional.dropout(torch.ones(6), 0.5).tolist())"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+        ).stdout
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and runs[0]
+
+
+def test_dropout_semantics_in_the_scope() -> None:
+    x = torch.ones(10_000)
+    with fdp.rng_scope(0):
+        y = F.dropout(x, 0.25)
+        assert torch.equal(F.dropout(x, 0.25, training=False), x)
+        assert torch.equal(F.dropout(x, 0.0), x)
+        assert torch.equal(F.dropout(x, 1.0), torch.zeros_like(x))
+        z = x.clone()
+        F.dropout(z, 0.5, inplace=True)
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            F.dropout(x, 1.5)
+        with pytest.raises(NotImplementedError, match="alpha_dropout inside fdp.rng_scope"):
+            F.alpha_dropout(x, 0.5, training=True)
+    kept = y[y != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / 0.75))
+    assert 0.72 < kept.numel() / x.numel() < 0.78
+    assert set(z.unique().tolist()) <= {0.0, 2.0}
+    mask = F.dropout2d(torch.ones(2, 3, 4, 4), 0.5)
+    assert all(len(channel.unique()) == 1 for channel in mask.reshape(6, 16))  # one draw per channel
+
+
+def test_scope_is_per_thread() -> None:
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other_thread() -> None:
+        with fdp.rng_scope(5):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    inside.wait(10)
+    torch.manual_seed(7)
+    a = torch.rand(3)
+    torch.manual_seed(7)
+    b = torch.rand(3)
+    release.set()
+    t.join()
+    assert torch.equal(a, b)  # this thread still uses the global generator
+
+
+def test_fold_in() -> None:
+    assert fdp.fold_in(0, 1) == fdp.fold_in(0, 1)
+    assert len({fdp.fold_in(s, d) for s in range(20) for d in range(20)}) == 400
+    assert all(0 <= fdp.fold_in(s, 3) < 2**63 for s in (-1, 0, 2**70))
+
+
+def test_replica_seeds_differ_and_repeat() -> None:
+    f = fdp.pmap(lambda x: torch.tensor([fdp.replica_seed(9, "i")]), axis_name="i", devices=cpus(4))
+    first, second = f(torch.zeros(4)), f(torch.zeros(4))
+    assert torch.equal(first, second) and len(set(first.tolist())) == 4
+    assert first.tolist() == [fdp.fold_in(9, r) for r in range(4)]

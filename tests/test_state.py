@@ -1,0 +1,80 @@
+"""Resident state: PerReplica leaves, device_put_replicated, unreplicate, out_axes=PER_REPLICA."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import cpus
+
+import fdp
+
+
+def test_device_put_replicated_makes_independent_copies() -> None:
+    w = torch.ones(3, requires_grad=True)
+    state = fdp.device_put_replicated({"w": w, "step": 0, "name": "run"}, cpus(3))
+    copies = list(state["w"])
+    assert len(copies) == 3 and len({id(c) for c in copies}) == 3 and all(c is not w for c in copies)
+    assert not any(c.requires_grad for c in copies)
+    copies[0].add_(1)
+    assert torch.equal(copies[1], torch.ones(3)) and torch.equal(w.detach(), torch.ones(3))
+    assert state["step"] == 0 and state["name"] == "run"
+
+
+def test_replicas_get_their_own_copy_without_a_transfer() -> None:
+    state = fdp.device_put_replicated({"w": torch.zeros(2)}, cpus(3))
+    seen: dict[int, torch.Tensor] = {}
+    lock = threading.Lock()
+
+    def f(state, x):
+        with lock:
+            seen[fdp.axis_index("i")] = state["w"]
+        return x
+
+    fdp.pmap(f, axis_name="i", devices=cpus(3))(state, torch.zeros(6))
+    assert all(seen[r] is state["w"][r] for r in range(3))
+
+
+def test_per_replica_outputs_stay_put_and_round_trip() -> None:
+    step = fdp.pmap(
+        lambda s, x: ({"w": s["w"] + x.sum(), "n": s["n"] + 1}, x.sum()),
+        devices=cpus(2),
+        out_axes=(fdp.PER_REPLICA, 0),
+    )
+    state = fdp.device_put_replicated({"w": torch.zeros(1), "n": 0}, cpus(2))
+    for _ in range(3):
+        state, sums = step(state, torch.ones(4))
+    assert isinstance(state["w"], fdp.PerReplica) and isinstance(state["n"], fdp.PerReplica)
+    assert [float(w) for w in state["w"]] == [6.0, 6.0] and list(state["n"]) == [3, 3]
+    assert fdp.unreplicate(state) == {"w": torch.tensor([6.0]), "n": 3}
+    assert fdp.unreplicate(state, 1)["n"] == 3
+
+
+def test_state_alone_runs_one_replica_per_copy() -> None:
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(3))
+    out = fdp.pmap(lambda s: s["w"].sum() + fdp.axis_index("i"), axis_name="i", devices=cpus(3))(state)
+    assert out.tolist() == [2.0, 3.0, 4.0]
+
+
+def test_state_needs_every_replica_to_run() -> None:
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(8))
+    f = fdp.pmap(lambda s, x: x, devices=cpus(8))
+    with pytest.raises(
+        ValueError, match=r"args\[0\]\['w'\] holds one value per replica .* runs 5 replicas.*split='balanced'"
+    ):
+        f(state, torch.zeros(10))  # chunk: 10 rows over 8 devices is 5 replicas
+    fdp.pmap(lambda s, x: x, devices=cpus(8), split="balanced")(state, torch.zeros(10))
+
+
+def test_state_on_other_devices_is_an_error() -> None:
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(2))
+    with pytest.raises(ValueError, match="holds one value per replica"):
+        fdp.pmap(lambda s, x: x, devices=cpus(3))(state, torch.zeros(3))
+
+
+def test_per_replica_repr_and_checks() -> None:
+    value = fdp.PerReplica([torch.zeros(2), torch.zeros(2)], [torch.device("cpu")] * 2)
+    assert repr(value) == "PerReplica(2 replicas on cpu, cpu: float32[2])"
+    with pytest.raises(ValueError, match="one device per value"):
+        fdp.PerReplica([1, 2], [torch.device("cpu")])

@@ -1,0 +1,185 @@
+"""Training with state resident on the replicas equals one-device training on the full batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import cpus
+from torch import nn
+
+import fdp
+from fdp import _replica, optim
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def data(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(batch, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)
+    ]
+
+
+def mean_loss(
+    model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    return F.cross_entropy(fdp.functional_call(model, params, (x,)), y)
+
+
+@pytest.mark.parametrize(
+    ("devices", "batch"), [(4, 64), (8, 30), (3, 20)], ids=["even", "uneven-30-over-8", "uneven-3"]
+)
+def test_replicated_training_matches_one_device(devices: int, batch: int) -> None:
+    model = make_model()
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adam(1e-2))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    batches = data(50, batch)
+
+    @fdp.pmap(axis_name="batch", devices=cpus(devices), out_axes=(fdp.PER_REPLICA, None))
+    def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss, grads = torch.func.grad_and_value(lambda p: mean_loss(model, p, x, y))(state["params"])[::-1]
+        # One exchange: the gradients and the loss, weighted by the shard sizes.
+        grads, loss = fdp.pmean((grads, loss), "batch", weight=x.shape[0])
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}, loss
+
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(devices))
+    losses = []
+    for x, y in batches:
+        state, loss = step(state, x, y)
+        losses.append(loss)
+
+    single = {"params": dict(params), "opt": opt.init(params)}
+    expected = []
+    for x, y in batches:
+        loss, grads = torch.func.grad_and_value(lambda p, x=x, y=y: mean_loss(model, p, x, y))(
+            single["params"]
+        )[::-1]
+        updates, single["opt"] = opt.update(grads, single["opt"], single["params"])
+        single["params"] = optim.apply_updates(single["params"], updates)
+        expected.append(loss)
+
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), atol=1e-5, rtol=0)
+    for r in range(devices):
+        for k, v in fdp.unreplicate(state["params"], r).items():
+            torch.testing.assert_close(v, single["params"][k], atol=1e-5, rtol=0)
+
+
+def test_exact_gradient_under_uneven_split() -> None:
+    model = make_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ((x, y),) = data(1, 30)  # 30 rows over 8 replicas: seven shards of 4, one of 2
+
+    def gradients(weighted: bool) -> dict[str, torch.Tensor]:
+        @fdp.pmap(axis_name="i", in_axes=(None, 0, 0), devices=cpus(8), out_axes=None)
+        def grad_step(params, x, y):
+            grads = torch.func.grad(lambda p: mean_loss(model, p, x, y))(params)
+            return fdp.pmean(grads, "i", weight=x.shape[0] if weighted else None)
+
+        return grad_step(params, x, y)
+
+    full = torch.func.grad(lambda p: mean_loss(model, p, x, y))(params)
+    exact, naive = gradients(weighted=True), gradients(weighted=False)
+    for k in full:
+        torch.testing.assert_close(exact[k], full[k], atol=1e-6, rtol=0)
+    assert any(
+        not torch.allclose(naive[k], full[k], atol=1e-6, rtol=0) for k in full
+    )  # the short shard counts twice
+
+
+def test_only_the_gradients_cross_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    exchanges: list[str] = []
+    exchange = _replica.CallGroup.exchange
+
+    def counting(self, index, what, payload, combine):
+        if index == 0:
+            exchanges.append(what[0])
+        return exchange(self, index, what, payload, combine)
+
+    monkeypatch.setattr(_replica.CallGroup, "exchange", counting)
+    model = make_model()
+    opt = optim.sgd(0.1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(2))
+
+    @fdp.pmap(axis_name="batch", devices=cpus(2), out_axes=fdp.PER_REPLICA)
+    def step(state, x, y):
+        grads = fdp.pmean(torch.func.grad(lambda p: mean_loss(model, p, x, y))(state["params"]), "batch")
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
+
+    for x, y in data(3, 8):
+        state = step(state, x, y)
+    assert exchanges == ["fdp.pmean"] * 3
+
+
+def test_batchnorm_statistics_come_back_as_state_and_can_be_averaged() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    x = torch.randn(16, 4)
+
+    @fdp.pmap(axis_name="i", in_axes=(None, None, 0), devices=cpus(4), out_axes=(0, fdp.PER_REPLICA))
+    def forward(params, buffers, x):
+        out, new = fdp.stateful_call(model, params, buffers, (x,))
+        floats = {k: v for k, v in new.items() if v.is_floating_point()}
+        return out, {**new, **fdp.pmean(floats, "i")}
+
+    out, new_buffers = forward(params, buffers, x)
+    assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())  # inputs untouched
+    replicas = [fdp.unreplicate(new_buffers, r) for r in range(4)]
+    assert all(torch.equal(r["1.running_mean"], replicas[0]["1.running_mean"]) for r in replicas)
+    assert all(int(r["1.num_batches_tracked"]) == 1 for r in replicas)
+
+    # Each shard's statistics, by hand: the average of the per-shard updates.
+    shards = [model[0](x[4 * r : 4 * r + 4]).detach() for r in range(4)]
+    mean_update = torch.stack([0.9 * buffers["1.running_mean"] + 0.1 * s.mean(0) for s in shards]).mean(0)
+    var_update = torch.stack([0.9 * buffers["1.running_var"] + 0.1 * s.var(0) for s in shards]).mean(0)
+    torch.testing.assert_close(replicas[0]["1.running_mean"], mean_update)
+    torch.testing.assert_close(replicas[0]["1.running_var"], var_update)
+    # With equal shards the averaged running mean is the one-device full-batch running mean.
+    model.train()
+    model(x)
+    torch.testing.assert_close(replicas[0]["1.running_mean"], model[1].running_mean)
+
+
+def dropout_training(seed: int, devices: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    opt = optim.sgd(0.05)
+
+    @fdp.pmap(axis_name="b", devices=cpus(devices), in_axes=(0, 0, 0, None), out_axes=(fdp.PER_REPLICA, 0))
+    def step(state, x, y, step_seed):
+        with fdp.rng_scope(fdp.replica_seed(step_seed, "b")):
+
+            def loss(p):
+                out = fdp.functional_call(model, p, (x,))
+                return ((out - y) ** 2).mean(), out
+
+            grads, out = torch.func.grad(loss, has_aux=True)(state["params"])
+        grads = fdp.pmean(grads, "b")
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}, out
+
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(devices))
+    x = torch.ones(8, 6)  # identical rows: only the masks make replicas differ
+    for k in range(5):
+        state, out = step(state, x, torch.zeros(8, 1), fdp.fold_in(seed, k))
+    return torch.cat([v.flatten() for v in fdp.unreplicate(state["params"]).values()]), out
+
+
+def test_dropout_is_reproducible_and_differs_between_replicas() -> None:
+    first, out = dropout_training(seed=42)
+    second, _ = dropout_training(seed=42)
+    other, _ = dropout_training(seed=43)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, other)
+    assert not torch.equal(out[:4], out[4:])  # replica 0 and replica 1 drew different masks
