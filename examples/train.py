@@ -134,11 +134,15 @@ def checksum(params: dict[str, torch.Tensor]) -> float:
     return float(sum(p.double().sum() for p in params.values()))
 
 
-def save_checkpoint(path: Path, step: int, state: dict[str, Any]) -> None:
+def save_checkpoint(
+    path: Path, step: int, loss: float, state: dict[str, Any], settings: dict[str, Any]
+) -> None:
     """Writes the checkpoint next to ``path``, then renames it over: a crash never leaves half a file."""
     single = fdp.unreplicate(state)  # every replica holds the same state
     payload = {
         "step": step,
+        "loss": loss,
+        "settings": settings,
         "params": {k: v.cpu() for k, v in single["params"].items()},
         "buffers": {k: v.cpu() for k, v in single["buffers"].items()},
         # The optimizer state as a flat list; its structure comes back from opt.init.
@@ -148,21 +152,43 @@ def save_checkpoint(path: Path, step: int, state: dict[str, Any]) -> None:
     with tempfile.NamedTemporaryFile(
         dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False
     ) as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)  # NamedTemporaryFile creates 0600; a checkpoint is a normal file
     os.replace(f.name, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
 
 
-def load_checkpoint(path: Path, opt: optim.GradientTransformation) -> tuple[int, dict[str, Any]]:
+def load_checkpoint(
+    path: Path, opt: optim.GradientTransformation, settings: dict[str, Any]
+) -> tuple[int, float, dict[str, Any]]:
     payload = torch.load(path, weights_only=True)
+    if payload["settings"] != settings:
+        changed = {
+            k: (payload["settings"].get(k), v) for k, v in settings.items() if payload["settings"].get(k) != v
+        }
+        raise SystemExit(
+            f"{path} was written with other settings (checkpoint's, now): {changed}; resuming would "
+            "not continue that run. Use the same settings, or another --checkpoint."
+        )
     structure = optree.tree_structure(opt.init(payload["params"]))
     state = {
         "params": payload["params"],
         "buffers": payload["buffers"],
         "opt": optree.tree_unflatten(structure, payload["opt"]),
     }
-    return payload["step"], state
+    return payload["step"], payload["loss"], state
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,9 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(args.lr, weight_decay=1e-4))
     train_step, eval_step = build_steps(model, opt, devices)
 
-    start = 0
+    # What the run's numbers depend on: resuming with other values would silently change them.
+    settings = {"seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "replicas": len(devices)}
+    start, last_loss = 0, float("nan")
     if args.resume and args.checkpoint.exists():
-        start, single = load_checkpoint(args.checkpoint, opt)
+        start, last_loss, single = load_checkpoint(args.checkpoint, opt, settings)
         print(f"resumed from {args.checkpoint} at step {start}", file=sys.stderr)
     else:
         params = {k: v.detach() for k, v in model.named_parameters()}
@@ -216,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         return loss_sum / len(eval_x), correct / len(eval_x)
 
     model.train()
-    loss = torch.tensor(float("nan"))
+    loss = torch.tensor(last_loss)
     progress = tqdm(
         total=args.steps,
         initial=start,
@@ -237,10 +265,12 @@ def main(argv: list[str] | None = None) -> None:
             eval_loss, accuracy = evaluate()
             progress.write(f"step {done}: eval loss {eval_loss:.4f}, accuracy {accuracy:.3f}")
         if done % args.checkpoint_every == 0 or done == args.steps:
-            save_checkpoint(args.checkpoint, done, state)
+            save_checkpoint(args.checkpoint, done, float(loss), state, settings)
     progress.close()
     params = fdp.unreplicate(state)["params"]
-    print(f"final: step={args.steps} loss={float(loss):.6f} params_checksum={checksum(params):.6f}")
+    print(
+        f"final: step={max(start, args.steps)} loss={float(loss):.6f} params_checksum={checksum(params):.6f}"
+    )
 
 
 if __name__ == "__main__":

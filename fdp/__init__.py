@@ -14,11 +14,12 @@ The public API is re-exported here from private modules, one job each:
 
 from . import optim
 from ._collectives import all_gather, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum
+from ._data_parallel import DataParallel
 from ._functional_call import functional_call, stateful_call
 from ._gather import gather
 from ._parallel_apply import parallel_apply
 from ._pmap import Pmapped, pmap
-from ._random import fold_in, replica_seed, rng_scope
+from ._random import fold_in, replica_seed, rng_checkpoint_context, rng_scope
 from ._scatter import replicate, scatter
 from ._state import PER_REPLICA, PerReplica, device_put_replicated, unreplicate
 from ._tree import NAMESPACE
@@ -26,6 +27,7 @@ from ._version import __version__
 
 __all__ = [
     "__version__",
+    "DataParallel",
     "NAMESPACE",
     "PER_REPLICA",
     "PerReplica",
@@ -47,6 +49,7 @@ __all__ = [
     "psum",
     "replica_seed",
     "replicate",
+    "rng_checkpoint_context",
     "rng_scope",
     "scatter",
     "stateful_call",

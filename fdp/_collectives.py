@@ -22,8 +22,9 @@ Differentiation, two ways:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+import optree
 import torch
 
 from . import _replica, _transfer, _tree
@@ -177,6 +178,9 @@ def _distribute(
     return out
 
 
+_OpT = TypeVar("_OpT", bound="_Op")
+
+
 class _Op:
     """A collective over flat buffers: ``combine`` computes every replica's result at once.
 
@@ -188,9 +192,18 @@ class _Op:
     name = "collective"
     in_dim = 0
     out_dim = 0
+    # Set on a backward's op: the round number of the forward exchange it transposes, so that
+    # replicas whose backward passes meet different collectives fail instead of mixing them.
+    transposes: int | None = None
+    round: int | None = None  # set by the exchange that ran this op
 
     def key(self) -> Hashable:
-        return (self.name,)
+        return (self.name, self.transposes)
+
+    def transposed(self, op: _OpT) -> _OpT:
+        """``op`` marked as the backward of this (already run) op."""
+        op.transposes = self.round
+        return op
 
     def combine(
         self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
@@ -224,10 +237,10 @@ class _AllReduce(_Op):
         }[reduce]
 
     def key(self) -> Hashable:
-        return (self.name, self.reduce, self.scaling)
+        return (self.name, self.reduce, self.scaling, self.transposes)
 
     def transpose(self) -> _AllReduce:
-        return _AllReduce(self.reduce, self._TRANSPOSE[self.scaling])
+        return self.transposed(_AllReduce(self.reduce, self._TRANSPOSE[self.scaling]))
 
     def combine(
         self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
@@ -238,15 +251,19 @@ class _AllReduce(_Op):
             stacked = torch.stack([_transfer.to_device(b, destination) for b in buffers])
             total = stacked.amax(0) if self.reduce == "max" else stacked.amin(0)
             return _distribute(total, devices, buffers)
-        if self.scaling == "weighted_in":
+        if self.scaling in ("weighted_in", "weighted_out"):
             weight_sum = sum(extras)
+            if not weight_sum > 0:
+                raise ValueError(
+                    f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
+                )
+        if self.scaling == "weighted_in":
             buffers = [b * (w / weight_sum) for b, w in zip(buffers, extras)]
         total = _transfer.reduce_add(buffers, destination) if n > 1 else buffers[0]
         if self.scaling == "mean":
             total = total / n
         results = _distribute(total, devices, buffers)
         if self.scaling == "weighted_out":
-            weight_sum = sum(extras)
             results = [t * (w / weight_sum) for t, w in zip(results, extras)]
         return results
 
@@ -289,10 +306,10 @@ class _Permute(_Op):
         self.source_of = {dst: src for src, dst in perm}
 
     def key(self) -> Hashable:
-        return (self.name, self.perm)
+        return (self.name, self.perm, self.transposes)
 
     def inverse(self) -> _Permute:
-        return _Permute(tuple((dst, src) for src, dst in self.perm))
+        return self.transposed(_Permute(tuple((dst, src) for src, dst in self.perm)))
 
     def combine(
         self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
@@ -321,19 +338,30 @@ def _exchange(
     """Every replica's buffers in, this replica's result buffers out.
 
     ``layout`` (the packed tree, or None for a backward's cotangents, whose layout is the
-    forward's) lets the last replica check that all of them passed the same shapes.
+    forward's) lets the last replica name the leaf when the replicas' shapes differ.
     """
 
     def combine(payloads: list[tuple[Any, Sequence[torch.Tensor], Any]]) -> list[list[torch.Tensor]]:
         if payloads[0][0] is not None:
             _check_same_layout([p[0] for p in payloads], op.name)
+        shapes = [tuple(tuple(b.shape) for b in p[1]) for p in payloads]
+        if any(s != shapes[0] for s in shapes):
+            # Under torch.func.vmap the buffers carry the vmapped rows: uneven shards show here.
+            raise ValueError(
+                f"{op.name}: the replicas' values have different shapes ({shapes[0]} on replica 0, "
+                f"{next(s for s in shapes if s != shapes[0])} on another); under torch.func.vmap "
+                "every replica must map over the same number of rows"
+            )
         per_buffer = [
             op.combine([p[1][b] for p in payloads], [p[2] for p in payloads], context.group.devices)
             for b in range(len(buffers))
         ]
         return [[results[r] for results in per_buffer] for r in range(len(payloads))]
 
-    return context.group.exchange(context.index, op.key(), (layout, tuple(buffers), extra), combine)
+    results, op.round = context.group.exchange(
+        context.index, op.key(), (layout, tuple(buffers), extra), combine
+    )
+    return results
 
 
 class _Spmd(torch.autograd.Function):
@@ -350,7 +378,9 @@ class _Spmd(torch.autograd.Function):
         op, context, extra, _, *buffers = inputs
         ctx.op, ctx.context, ctx.extra = op, context, extra
         if isinstance(op, _AllReduce) and op.reduce != "sum":
-            ctx.save_for_backward(*buffers, *output)
+            # Where each replica held the extreme value, decided now: later in-place changes to
+            # the result must not move the gradient.
+            ctx.save_for_backward(*[(x == y).to(x.dtype) for x, y in zip(buffers, output)])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -364,14 +394,13 @@ class _Spmd(torch.autograd.Function):
             result = _Spmd.apply(op.transpose(), context, ctx.extra, None, *grads)
         elif isinstance(op, _AllReduce):  # max/min: the cotangent goes where the extreme was
             n = len(grads)
-            inputs, outputs = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
-            masks = [(x == y).to(g.dtype) for x, y, g in zip(inputs, outputs, grads)]
-            sums = _Spmd.apply(_AllReduce("sum"), context, None, None, *grads, *masks)
+            masks = [m.to(g.dtype) for m, g in zip(ctx.saved_tensors, grads)]
+            sums = _Spmd.apply(op.transposed(_AllReduce("sum")), context, None, None, *grads, *masks)
             result = tuple(s * m / t for s, t, m in zip(sums[:n], sums[n:], masks))
         elif isinstance(op, _AllGather):
-            result = _Spmd.apply(_ReduceScatter(), context, None, None, *grads)
+            result = _Spmd.apply(op.transposed(_ReduceScatter()), context, None, None, *grads)
         elif isinstance(op, _ReduceScatter):
-            result = _Spmd.apply(_AllGather(), context, None, None, *grads)
+            result = _Spmd.apply(op.transposed(_AllGather()), context, None, None, *grads)
         else:
             assert isinstance(op, _Permute)
             result = _Spmd.apply(op.inverse(), context, None, None, *grads)
@@ -396,25 +425,19 @@ class _Spmd(torch.autograd.Function):
         return _Spmd.apply(op, context, extra, layout, *moved), (op.out_dim,) * len(buffers)
 
 
-class _OuterBackwardOnly(torch.autograd.Function):
-    """Identity; its backward refuses to run while the call that made it is still running."""
-
-    @staticmethod
-    def forward(ctx: Any, group: _replica.CallGroup, name: str, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.name = group, name
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:  # type: ignore[override]
-        if not ctx.group.done:
+def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
+    def hook(grad_outputs: Any) -> None:
+        if not group.done:
             raise RuntimeError(
-                f"torch.autograd was asked to differentiate through {ctx.name} inside the mapped "
+                f"torch.autograd was asked to differentiate through {name} inside the mapped "
                 "function, while the other replicas' parts of the graph are still being built. "
                 "Differentiate inside the mapped function with torch.func (grad, vjp, "
                 "grad_and_value), where collectives have JAX's transposes, or call backward() on "
                 "the pmapped function's output."
             )
-        return None, None, grad
+        return None
+
+    return hook
 
 
 def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_Packed, list[torch.Tensor]]:
@@ -424,10 +447,14 @@ def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_P
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
     results = _exchange(op, context, packed.buffers, extra, packed)
-    if torch.is_grad_enabled():
-        results = [
-            _OuterBackwardOnly.apply(context.group, op.name, r) if r.requires_grad else r for r in results
-        ]
+    # The results' graph spans every replica and is complete only when the call returns: a
+    # backward through them from inside the replica must not start early. The hook sits on the
+    # results' own nodes, which in-place ops on the results leave in place upstream.
+    hook = None
+    for r in results:
+        if r.grad_fn is not None:
+            hook = hook or _refuse_inner_backward(context.group, op.name)
+            r.grad_fn.register_prehook(hook)
     return packed, results
 
 
@@ -458,8 +485,24 @@ def psum(x: Any, axis_name: Hashable) -> Any:
         >>> f(torch.arange(4.0))
         tensor([-6., -5., -4., -3.])
     """
-    packed, results = _run(_AllReduce("sum"), x, axis_name)
+    packed, results = _run(_AllReduce("sum"), _counts_for_bools(x), axis_name)
     return packed.unpack(results)
+
+
+def _counts_for_bools(x: Any) -> Any:
+    """Booleans summed count, as in ``jax.lax.psum`` and ``torch.sum``: they become int64."""
+    _tree.flatten(x)
+    return optree.tree_map(
+        lambda v: (
+            v.to(torch.int64)
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bool
+            else int(v)
+            if isinstance(v, bool)
+            else v
+        ),
+        x,
+        namespace=_tree.NAMESPACE,
+    )
 
 
 def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any:

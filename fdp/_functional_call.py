@@ -151,15 +151,18 @@ def stateful_call(
     """Calls ``module`` functionally and returns its updated buffers as new state.
 
     Layers such as BatchNorm update their buffers (running statistics) in place during
-    ``forward``. Here they update fresh copies, which come back as ``new_buffers``; ``buffers``
-    itself is never modified. In a pmapped training step, each replica gets its own new
-    statistics: keep them per replica, or average them with :func:`fdp.pmean` (over the
-    floating-point buffers). Nothing is silently taken from replica 0.
+    ``forward``. Here they update fresh copies, which come back as ``new_buffers``; neither
+    ``buffers`` nor the module is ever modified. Buffers that ``buffers`` does not name are
+    copied from the module, so ``new_buffers`` always holds every buffer of the module. In a
+    pmapped training step, each replica gets its own new statistics: keep them per replica, or
+    average them with :func:`fdp.pmean` (over the floating-point buffers). Nothing is silently
+    taken from replica 0.
 
     Args:
         module: the module to call. It is not modified.
         params: parameters by name (may be differentiated with ``torch.func``).
-        buffers: buffers by name, as in ``dict(module.named_buffers())``.
+        buffers: buffers by name, as in ``dict(module.named_buffers())``; missing ones are taken
+            from the module.
         args: the positional arguments for ``forward``. Default: ``()``.
         kwargs: the keyword arguments for ``forward``. Default: ``None``.
 
@@ -174,6 +177,7 @@ def stateful_call(
         >>> int(new["num_batches_tracked"]), int(buffers["num_batches_tracked"])
         (1, 0)
     """
-    new_buffers = {name: b.clone() for name, b in buffers.items()}
+    everything = {**dict(module.named_buffers()), **buffers}
+    new_buffers = {name: b.clone() for name, b in everything.items()}
     output = functional_call(module, {**params, **new_buffers}, args, kwargs)
     return output, new_buffers

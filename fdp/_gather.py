@@ -68,10 +68,12 @@ def gather_outputs(
     check: bool = False,
     plans: dict[optree.PyTreeSpec, OutputPlan] | None = None,
     devices: Sequence[torch.device] | None = None,
+    inputs: Sequence[Any] = (),
 ) -> Any:
     """Joins the replicas' output trees on ``destination``; ``out_axes`` is a checked spec.
 
-    ``devices`` are the replicas' devices, for ``PER_REPLICA`` outputs.
+    ``devices`` are the replicas' devices and ``inputs`` the call's input leaves, for
+    ``PER_REPLICA`` outputs (see :func:`_own_copies`).
     """
     flat = [_tree.flatten(out) for out in outputs]
     treespec = flat[0][1]
@@ -90,13 +92,36 @@ def gather_outputs(
             plans[treespec] = plan
 
     columns = list(zip(*(leaves for leaves, _ in flat)))
-    joined = [
-        _state.PerReplica(values, devices or [_device_of(v, destination) for v in values])
-        if axis is _state.PER_REPLICA
-        else _join(values, axis, destination, k, caller=caller, check=check, outputs=outputs)
-        for k, (values, axis) in enumerate(zip(columns, plan.axes))
-    ]
+    taken: set[int] | None = None  # storages already used by a PER_REPLICA output, or inputs'
+    joined = []
+    for k, (values, axis) in enumerate(zip(columns, plan.axes)):
+        if axis is _state.PER_REPLICA:
+            if taken is None:
+                taken = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
+            own = _own_copies(values, taken)
+            joined.append(_state.PerReplica(own, devices or [_device_of(v, destination) for v in own]))
+        else:
+            joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
     return _tree.unflatten(treespec, joined)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
+    """Per-replica values that share no memory with each other, with the call's inputs, or
+    with earlier per-replica outputs: resident state may be updated in place, replica by
+    replica. A value that would share (a replicated input returned as is, a shard of the
+    caller's batch) is copied; a replica's own fresh tensor is kept as it is."""
+    own = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.numel() > 0:
+            if _storage(v) in taken:
+                v = v.clone()
+            taken.add(_storage(v))
+        own.append(v)
+    return own
 
 
 def _device_of(value: Any, default: torch.device) -> torch.device:

@@ -16,7 +16,7 @@ import optree
 import torch
 from torch import nn
 
-from . import _axes, _devices, _functional_call, _gather, _pool, _scatter, _split, _tree
+from . import _axes, _devices, _functional_call, _gather, _pool, _scatter, _split, _state, _tree
 
 __all__ = ["pmap", "Pmapped"]
 
@@ -177,6 +177,7 @@ class Pmapped(Generic[P, R]):
             check=self.check_unmapped_outputs,
             plans=self._out_plans,
             devices=scattered.devices,
+            inputs=[leaf for leaf in leaves if not isinstance(leaf, _state.PerReplica)],
         )
 
     def _parts(

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _replica, _thread_state
+from . import _random, _replica, _thread_state
 
 __all__ = ["run_replicas", "ensure_not_in_replica"]
 
@@ -238,6 +238,7 @@ def run_replicas(
     n = len(replicas)
     devices = tuple(devices[:n])
     state = _thread_state.capture()
+    rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _replica.CallGroup(n, devices)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -256,7 +257,11 @@ def run_replicas(
                         f"the worker thread for {worker.device} could not start"
                     ) from worker.init_error
                 # Replica 0 runs in the caller's thread, which already has the caller's state.
-                with _replica.entered(context), _thread_state.applied(state) if i > 0 else _NULL_CONTEXT:
+                with (
+                    _replica.entered(context),
+                    _thread_state.applied(state) if i > 0 else _NULL_CONTEXT,
+                    _random.replica_scope(rng_seed, i),
+                ):
                     if cuda_sync is not None:
                         with cuda_sync.running(i, worker, inputs[i] if inputs is not None else ()):
                             results[i] = replicas[i]()

@@ -4,32 +4,39 @@ torch's default CPU generator is one object for the whole process, so replicas r
 threads draw from it in whatever order the scheduler picks: dropout masks would not be
 reproducible. Instead, a replica derives its own seed from a base seed and its index
 (:func:`replica_seed`, built on :func:`fold_in`) and runs its random code in
-:func:`rng_scope`, where dropout and torch's random functions draw from generators seeded with
-it (one per device). A run is then reproducible for a given seed and device count, and the
-replicas' masks differ.
+:func:`rng_scope`, where every random op draws from generators seeded with it (one per device).
+A run is then reproducible for a given seed and device count, and the replicas' masks differ.
 
-The scope is a ``TorchFunctionMode`` (thread-local), which routes ``torch.nn.functional.dropout``
-and ``dropout1d/2d/3d``, the random factories (``rand``, ``randn``, ``randint``, ``randperm``,
-their ``*_like`` forms, ``bernoulli``, ``normal``, ``multinomial``, ``poisson``) and the
-in-place samplers (``Tensor.uniform_``, ``normal_``, ``bernoulli_``, ``random_``, ...,
-and so ``torch.nn.init``). ``alpha_dropout`` and ``feature_alpha_dropout`` raise inside a scope
-rather than silently using the global generator.
+The scope is a ``TorchDispatchMode`` (thread-local): it sees the ATen ops that layers decompose
+into, so dropout inside ``nn.MultiheadAttention``, ``scaled_dot_product_attention``'s math path,
+``rrelu``, ``gumbel_softmax``, ``torch.nn.init`` and the rest are all routed. Every op with a
+``generator`` argument gets the scope's generator for its device; factories without one switch
+to their ``generator`` overload; ``native_dropout`` (which has none) is computed from a
+Bernoulli mask drawn from the scope. Fused attention kernels that draw dropout masks internally
+(flash, memory-efficient, cuDNN) cannot be routed and raise inside a scope when their dropout is
+on.
+
+A pmapped call made inside a scope gives replica ``r`` the scope ``fold_in(seed, r)``.
+``torch.utils.checkpoint`` recomputes its region during backward, outside the scope: pass
+``context_fn=fdp.rng_checkpoint_context`` (with ``use_reentrant=False``) so the recomputation
+draws the same masks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import zlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives
 
-__all__ = ["fold_in", "replica_seed", "rng_scope"]
+__all__ = ["fold_in", "replica_seed", "rng_scope", "rng_checkpoint_context", "active_seed"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -68,20 +75,69 @@ def replica_seed(seed: int, axis_name: Hashable) -> int:
     return fold_in(seed, _collectives.axis_index(axis_name))
 
 
-def _feature_mask_shape(input: torch.Tensor, batched_rank: int) -> tuple[int, ...]:
-    # (N, C, 1, ...) for batched input, (C, 1, ...) for unbatched: one draw per channel.
-    leading = 2 if input.dim() == batched_rank else 1
-    return (*input.shape[:leading], *([1] * (input.dim() - leading)))
+# --- routing ATen random ops ---------------------------------------------------------------------
 
 
-class _RngMode(TorchFunctionMode):
-    def __init__(self, seed: int) -> None:
+@functools.cache
+def _generator_slot(op: Any) -> tuple[int, bool] | None:
+    """(position, keyword-only) of ``op``'s generator argument, or None."""
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "generator":
+            return position, argument.kwarg_only
+    return None
+
+
+@functools.cache
+def _generator_overload(op: Any) -> Any:
+    """The overload of ``op`` that takes the same arguments plus a generator (``rand.generator``)."""
+    names = [a.name for a in op._schema.arguments]
+    packet = op.overloadpacket
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        arguments = [a.name for a in candidate._schema.arguments]
+        if "generator" in arguments and [a for a in arguments if a != "generator"] == names:
+            return candidate
+    return None
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.get_default_device()
+
+
+_aten = torch.ops.aten
+# Kernels that draw their dropout masks internally, from the device's default generator.
+_INTERNAL_DROPOUT = {
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention,
+    _aten._flash_attention_forward,
+    _aten._efficient_attention_forward,
+}
+_RANDOM_OPS_WITHOUT_GENERATOR = {
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+}
+
+
+class _RngMode(TorchDispatchMode):
+    def __init__(self, seed: int, states: dict[torch.device, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}
+        for device, state in (states or {}).items():
+            self.generator(device).set_state(state)
 
-    def generator(self, device: Any) -> torch.Generator:
-        device = torch.device(device if device is not None else "cpu")
+    def generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         g = self.generators.get(device)
@@ -91,113 +147,82 @@ class _RngMode(TorchFunctionMode):
             g.manual_seed(fold_in(self.seed, zlib.crc32(str(device).encode())))
         return g
 
-    def dropout(
-        self, input: torch.Tensor, p: float, training: bool, inplace: bool, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-        if not training or p == 0.0:
-            return input
-        if p == 1.0:
-            return input.mul_(0.0) if inplace else input * 0.0
-        mask = torch.empty(shape, dtype=input.dtype, device=input.device).bernoulli_(
-            1 - p, generator=self.generator(input.device)
-        )
-        scale = 1.0 / (1.0 - p)
-        return input.mul_(mask).mul_(scale) if inplace else input * mask * scale
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        route = _DROPOUTS.get(func)
-        if route is not None:
-            return route(self, *args, **kwargs)
-        if func in _REFUSED:
+        packet = func.overloadpacket
+        if packet is _aten.native_dropout:
+            return self.native_dropout(*args, **kwargs)
+        if packet in _INTERNAL_DROPOUT and _dropout_p(func, args, kwargs) > 0:
             raise NotImplementedError(
-                f"{func.__name__} inside fdp.rng_scope would draw from the global generator; "
-                "use dropout, or draw its noise with torch.rand inside the scope"
+                f"{packet.__name__} draws its dropout mask inside the kernel, from the device's "
+                "global generator, which fdp.rng_scope cannot reach. Inside a scope, use the math "
+                "attention backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH)) or dropout_p=0."
             )
-        device_of = _SAMPLERS.get(func)
-        if device_of is not None and kwargs.get("generator") is None:
-            kwargs["generator"] = self.generator(device_of(args, kwargs))
+        slot = _generator_slot(func)
+        if slot is None and packet.__name__ in _RANDOM_OPS_WITHOUT_GENERATOR:
+            overload = _generator_overload(func)
+            if overload is not None:
+                func, slot = overload, _generator_slot(overload)
+        if slot is not None:
+            position, kwarg_only = slot
+            if not kwarg_only and len(args) > position:
+                if args[position] is None:
+                    args = (*args[:position], self.generator(_device_of(args, kwargs)), *args[position + 1 :])
+            elif kwargs.get("generator") is None:
+                kwargs["generator"] = self.generator(_device_of(args, kwargs))
         return func(*args, **kwargs)
 
-
-def _dropout_route(batched_rank: int | None) -> Callable[..., torch.Tensor]:
-    def route(
-        mode: _RngMode, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-    ) -> torch.Tensor:
-        shape = tuple(input.shape) if batched_rank is None else _feature_mask_shape(input, batched_rank)
-        return mode.dropout(input, p, training, inplace, shape)
-
-    return route
-
-
-_DROPOUTS: dict[Any, Callable[..., torch.Tensor]] = {
-    F.dropout: _dropout_route(None),
-    F.dropout1d: _dropout_route(3),
-    F.dropout2d: _dropout_route(4),
-    F.dropout3d: _dropout_route(5),
-}
-_REFUSED = {F.alpha_dropout, F.feature_alpha_dropout}
+    def native_dropout(
+        self, input: torch.Tensor, p: float, train: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if train is False or p == 0.0:
+            return input.clone(), torch.ones_like(input, dtype=torch.bool)
+        mask = torch.empty_like(input).bernoulli_(1.0 - p, generator=self.generator(input.device)).bool()
+        scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
+        return input * mask * scale, mask
 
 
-def _device_kwarg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return kwargs.get("device") or torch.get_default_device()
+def _dropout_p(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get(
+                "dropout_p", args[position] if len(args) > position else argument.default_value
+            )
+            return float(value or 0.0)
+    return 0.0
 
 
-def _device_of_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    first = args[0] if args else kwargs.get("input", kwargs.get("mean"))
-    if isinstance(first, torch.Tensor):
-        return kwargs.get("device") or first.device
-    std = args[1] if len(args) > 1 else kwargs.get("std")
-    if isinstance(std, torch.Tensor):
-        return std.device
-    return _device_kwarg(args, kwargs)
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.modes: list[_RngMode] = []
 
 
-_SAMPLERS: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
-    **dict.fromkeys([torch.rand, torch.randn, torch.randint, torch.randperm], _device_kwarg),
-    **dict.fromkeys(
-        [
-            torch.rand_like,
-            torch.randn_like,
-            torch.randint_like,
-            torch.bernoulli,
-            torch.normal,
-            torch.multinomial,
-            torch.poisson,
-            torch.Tensor.bernoulli,
-            torch.Tensor.multinomial,
-            torch.Tensor.uniform_,
-            torch.Tensor.normal_,
-            torch.Tensor.bernoulli_,
-            torch.Tensor.random_,
-            torch.Tensor.exponential_,
-            torch.Tensor.geometric_,
-            torch.Tensor.log_normal_,
-            torch.Tensor.cauchy_,
-            # These dispatch on the init function itself (the others call Tensor samplers):
-            torch.nn.init.uniform_,
-            torch.nn.init.normal_,
-            torch.nn.init.kaiming_uniform_,
-        ],
-        _device_of_first,
-    ),
-}
+_ACTIVE = _Active()
+
+
+def active_seed() -> int | None:
+    """The seed of this thread's innermost :func:`rng_scope`, or None outside any."""
+    return _ACTIVE.modes[-1].seed if _ACTIVE.modes else None
 
 
 @contextlib.contextmanager
-def rng_scope(seed: int) -> Iterator[None]:
+def _entered(mode: _RngMode) -> Iterator[None]:
+    _ACTIVE.modes.append(mode)
+    try:
+        with mode:
+            yield
+    finally:
+        _ACTIVE.modes.pop()
+
+
+def rng_scope(seed: int) -> contextlib.AbstractContextManager[None]:
     """Random ops in the block draw from generators seeded with ``seed``, not the global one.
 
-    Works anywhere; inside a mapped function, pass :func:`replica_seed` so that every replica
-    draws differently and reproducibly. Affects the current thread only.
+    Works anywhere and affects the current thread only. Inside a mapped function, pass
+    :func:`replica_seed` so that every replica draws differently and reproducibly; a pmapped
+    call made inside a scope gives replica ``r`` the scope ``fold_in(seed, r)``.
 
     Args:
         seed: the seed of the block's generators (one per device, derived from it).
@@ -211,5 +236,38 @@ def rng_scope(seed: int) -> Iterator[None]:
         >>> torch.equal(a, b)
         True
     """
-    with _RngMode(int(seed)):
-        yield
+    return _entered(_RngMode(int(seed)))
+
+
+def rng_checkpoint_context() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` inside :func:`rng_scope`.
+
+    The checkpointed region is recomputed during backward, outside the scope; this replays it
+    in a scope whose generators are where they were when the region first ran, so it draws the
+    same dropout masks. Use with ``use_reentrant=False``.
+
+    Example:
+        >>> import torch, fdp
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> x = torch.ones(6, requires_grad=True)
+        >>> with fdp.rng_scope(0):
+        ...     y = checkpoint(torch.nn.functional.dropout, x, 0.5, use_reentrant=False,
+        ...                    context_fn=fdp.rng_checkpoint_context)
+        >>> y.sum().backward()
+        >>> torch.equal(x.grad, y.detach())  # the recomputed mask is the forward's
+        True
+    """
+    if not _ACTIVE.modes:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    mode = _ACTIVE.modes[-1]
+    states = {device: g.get_state() for device, g in mode.generators.items()}
+    return contextlib.nullcontext(), _entered(_RngMode(mode.seed, states))
+
+
+def replica_scope(seed: int | None, index: int) -> contextlib.AbstractContextManager[None]:
+    """The scope replica ``index`` runs in when its call was made inside ``rng_scope(seed)``."""
+    if seed is None:
+        return contextlib.nullcontext()
+    return rng_scope(fold_in(seed, index))

@@ -48,7 +48,7 @@ class _Round:
         self.payloads: list[Any] = [_PENDING] * size
         self.arrived = 0
         self.result: Any = _PENDING
-        self.error: tuple[type[BaseException], str] | None = None
+        self.error: tuple[type[BaseException], str, BaseException | None] | None = None
         self.taken = 0
 
 
@@ -86,12 +86,13 @@ class CallGroup:
         what: Hashable,
         payload: Any,
         combine: Callable[[list[Any]], list[Any]],
-    ) -> Any:
-        """Meets the other replicas: returns ``combine(payloads)[index]``.
+    ) -> tuple[Any, int]:
+        """Meets the other replicas: returns ``combine(payloads)[index]`` and the round's number.
 
         Every replica must call ``exchange`` the same number of times with the same ``what``
         (the collective and its options), in the same order, as in any SPMD program. The last
-        replica to arrive runs ``combine`` once for all of them.
+        replica to arrive runs ``combine`` once for all of them. The round number identifies
+        the exchange, e.g. so that backward exchanges can name the forward one they transpose.
         """
         with self.cond:
             number = self._next[index]
@@ -105,7 +106,8 @@ class CallGroup:
                     f"the replicas called different collectives at the same point: "
                     f"{_describe(round_.what)} and {_describe(what)} (replica {index}). Every "
                     "replica must call the same collectives, with the same options, in the same "
-                    "order.",
+                    "order (and differentiate through them in the same order).",
+                    None,
                 )
                 self.cond.notify_all()
             round_.payloads[index] = payload
@@ -118,7 +120,7 @@ class CallGroup:
                 result: Any = combine(round_.payloads)
                 error = None
             except Exception as err:  # noqa: BLE001 - reported to every replica
-                result, error = _PENDING, (type(err), str(err))
+                result, error = _PENDING, (type(err), str(err), err)
             with self.cond:
                 round_.result, round_.error = result, error
                 self.cond.notify_all()
@@ -127,9 +129,8 @@ class CallGroup:
             if round_.taken == self.size:
                 del self._rounds[number]
         if round_.error is not None:
-            kind, message = round_.error
-            raise kind(message)  # a fresh object per replica: each raises from its own thread
-        return round_.result[index]
+            raise _fresh(*round_.error)
+        return round_.result[index], number
 
     def _wait(self, round_: _Round, index: int) -> None:
         while round_.result is _PENDING and round_.error is None:
@@ -150,14 +151,29 @@ class CallGroup:
                     f"the other replicas are waiting in. Every replica must call the same "
                     "collectives in the same order (no collective behind a condition that differs "
                     "between replicas).",
+                    None,
                 )
                 self.cond.notify_all()
                 return
             self.cond.wait()
 
 
+def _fresh(kind: type[BaseException], message: str, cause: BaseException | None) -> BaseException:
+    """A new exception per replica (each raises it from its own thread), chained to the original."""
+    try:
+        error = kind(message)
+    except Exception:  # noqa: BLE001 - a type that needs other arguments: share the original
+        assert cause is not None
+        return cause
+    error.__cause__ = cause
+    return error
+
+
 def _describe(what: Hashable) -> str:
+    """The collective a key names; a backward's key ends with the forward exchange's number."""
     if isinstance(what, tuple) and what:
+        if isinstance(what[-1], int):
+            return f"{what[0]} (the backward of collective #{what[-1]})"
         return str(what[0])
     return str(what)
 

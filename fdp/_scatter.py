@@ -145,7 +145,8 @@ def _place_resident(
     """Gives replica r the r-th value of every PerReplica leaf, after checking where they live."""
     for k in resident:
         leaf: _state.PerReplica = leaves[k]
-        if len(leaf) != len(run_on) or leaf.devices != run_on:
+        n = len(run_on)
+        if leaf.devices[:n] != run_on or not (len(leaf) == n or (leaf.prefix_ok and len(leaf) > n)):
             raise ValueError(
                 f"{caller}: {paths()[k]} holds one value per replica on "
                 f"{[str(d) for d in leaf.devices]}, but this call runs {len(run_on)} replicas on "

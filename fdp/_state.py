@@ -36,7 +36,7 @@ class PerReplica:
         tensor([0., 0.])
     """
 
-    __slots__ = ("values", "devices")
+    __slots__ = ("values", "devices", "prefix_ok")
 
     def __init__(self, values: Sequence[Any], devices: Sequence[torch.device]) -> None:
         if len(values) != len(devices):
@@ -45,6 +45,16 @@ class PerReplica:
             )
         self.values = tuple(values)
         self.devices = tuple(devices)
+        # Whether a call that runs fewer replicas may use the first values (read-only copies,
+        # e.g. fdp.DataParallel's placed parameters); resident state must have every replica run.
+        self.prefix_ok = False
+
+    @classmethod
+    def prefix(cls, values: Sequence[Any], devices: Sequence[torch.device]) -> PerReplica:
+        """Copies of which a call running fewer replicas uses the first ones."""
+        placed = cls(values, devices)
+        placed.prefix_ok = True
+        return placed
 
     def __len__(self) -> int:
         return len(self.values)

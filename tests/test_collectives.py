@@ -395,3 +395,48 @@ def test_concurrent_calls_with_collectives_do_not_deadlock() -> None:
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads) and not errors and len(results) == 80
+
+
+# --- regressions from review -----------------------------------------------------------------------
+
+
+def test_backward_through_different_collectives_is_an_error() -> None:
+    def f(x):
+        first = fdp.axis_index("i") == 0
+
+        def loss(x):
+            a, b = fdp.psum(x, "i"), fdp.psum(2 * x, "i")
+            return a.sum() if first else b.sum()
+
+        return torch.func.grad(loss)(x)
+
+    with pytest.raises(ValueError, match="the backward of collective #"):
+        finishes(lambda: fdp.pmap(f, axis_name="i", devices=cpus(2))(torch.ones(2)))
+
+
+def test_vmap_over_uneven_shards_is_an_error() -> None:
+    f = fdp.pmap(lambda x: torch.func.vmap(lambda r: fdp.psum(r, "i"))(x), axis_name="i", devices=cpus(2))
+    with pytest.raises(ValueError, match="every replica must map over the same number of rows"):
+        finishes(lambda: f(torch.ones(3)))
+
+
+def test_in_place_ops_on_differentiable_results() -> None:
+    x = rows().requires_grad_()
+    out = per_row(lambda x: fdp.psum(x, "i").div_(2) * x)(x)
+    out.sum().backward()
+    # d/dx_j of sum_r (S / 2) * x_r, with S = sum_j x_j: S / 2 + (sum_r x_r) / 2 = S
+    torch.testing.assert_close(x.grad, x.detach().sum(0).expand(N, -1))
+    g = per_row(lambda x: torch.func.grad(lambda x: fdp.pmax(x, "i").mul_(2).sum())(x))(
+        torch.tensor([1.0, 3, 2, 0])
+    )
+    torch.testing.assert_close(g, torch.tensor([0.0, 2 * N, 0, 0]))
+
+
+def test_psum_of_booleans_counts() -> None:
+    out = per_row(lambda x: fdp.psum(x > 0, "i") + fdp.psum(True, "i"))(torch.tensor([1.0, -1, 2, 3]))
+    assert out.dtype == torch.int64 and out.tolist() == [3 + N] * N
+
+
+def test_weights_summing_to_zero() -> None:
+    with pytest.raises(ValueError, match="weights sum to 0.0"):
+        per_row(lambda x: fdp.pmean(x, "i", weight=0.0))(rows())

@@ -181,3 +181,11 @@ def test_grad_through_functional_call() -> None:
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         fdp.functional_call(lambda x: x, {}, ())  # type: ignore[arg-type]
+
+
+def test_stateful_call_never_modifies_the_module() -> None:
+    bn = nn.BatchNorm1d(3)
+    before = {k: v.clone() for k, v in bn.named_buffers()}
+    out, new = fdp.stateful_call(bn, dict(bn.named_parameters()), {}, (torch.randn(6, 3),))
+    assert all(torch.equal(before[k], v) for k, v in bn.named_buffers())
+    assert set(new) == set(before) and int(new["num_batches_tracked"]) == 1

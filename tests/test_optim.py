@@ -132,3 +132,16 @@ def test_update_needs_params() -> None:
     opt = optim.adam()
     with pytest.raises(ValueError, match="fdp.optim.adam needs the params"):
         opt.update({"w": torch.ones(1)}, opt.init({"w": torch.ones(1)}))
+
+
+def test_params_that_require_grad_grow_no_graph() -> None:
+    model, loss = problem()
+    params = dict(model.named_parameters())  # requires_grad=True
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9))
+    state = opt.init(params)
+    for _ in range(3):
+        grads = torch.func.grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    leaves = [t for t in optree.tree_leaves((params, state)) if isinstance(t, torch.Tensor)]
+    assert all(t.grad_fn is None for t in leaves)

@@ -78,3 +78,20 @@ def test_per_replica_repr_and_checks() -> None:
     assert repr(value) == "PerReplica(2 replicas on cpu, cpu: float32[2])"
     with pytest.raises(ValueError, match="one device per value"):
         fdp.PerReplica([1, 2], [torch.device("cpu")])
+
+
+def test_per_replica_outputs_never_alias_inputs_or_each_other() -> None:
+    w = torch.zeros(3)
+    step = fdp.pmap(lambda w, x: (w, x), in_axes=(None, 0), devices=cpus(2), out_axes=fdp.PER_REPLICA)
+    batch = torch.zeros(2, 3)
+    state, shards = step(w, batch)
+    state[0].add_(1)
+    shards[1].add_(5)
+    assert torch.equal(state[1], torch.zeros(3)) and torch.equal(w, torch.zeros(3))
+    assert torch.equal(batch, torch.zeros(2, 3))
+
+
+def test_per_replica_pass_through_is_not_copied() -> None:
+    state = fdp.device_put_replicated({"w": torch.zeros(2)}, cpus(2))
+    new = fdp.pmap(lambda s, x: s, devices=cpus(2), out_axes=fdp.PER_REPLICA)(state, torch.zeros(2))
+    assert all(a is b for a, b in zip(new["w"], state["w"]))

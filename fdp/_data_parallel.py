@@ -1,0 +1,168 @@
+"""``fdp.DataParallel``: ``nn.DataParallel``'s interface on ``fdp.pmap``, with its known bugs fixed.
+
+The wrapper keeps ``nn.DataParallel``'s constructor, attributes and ``state_dict`` keys (the
+``module.`` prefix), so scripts switch by changing one class name and checkpoints load in either
+class. Underneath, a forward pass is one pmapped call of the module (``_forward_replica``):
+positional and keyword arguments are scattered as one tree along ``dim``, the module runs on
+each replica through a private skeleton (so ``self.parameters()`` works inside ``forward``), and
+outputs are gathered along ``dim`` with fdp's rules (0-dim outputs stacked, non-tensor outputs
+checked). What ``nn.DataParallel`` gets wrong, and what happens here instead:
+
+* parameters are copied to the devices only when they changed since the last forward (their
+  version counters), not on every forward;
+* in training mode, every replica updates its own copy of the buffers (BatchNorm statistics) and
+  the module's buffers become their average weighted by shard size (``buffers="average"``), not
+  replica 0's alone (``buffers="replica0"`` restores that, for comparisons);
+* unused parameters keep ``grad is None``, as on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from . import _devices, _functional_call, _pmap, _scatter, _state, _tree
+
+__all__ = ["DataParallel"]
+
+
+def _as_device_id(device: torch.device) -> int | torch.device:
+    # nn.DataParallel keeps CUDA devices as indices; CPU devices have none.
+    return device.index if device.type == "cuda" and device.index is not None else device
+
+
+class DataParallel(nn.Module):
+    """Runs ``module`` on several devices, splitting its inputs along ``dim``.
+
+    A drop-in for :class:`torch.nn.DataParallel` built on :func:`fdp.pmap`: same constructor,
+    same attributes (``module``, ``device_ids``, ``output_device``, ``dim``), same ``state_dict``
+    keys. CPU devices work (``device_ids=["cpu", "cpu"]``), so multi-device code runs and is
+    tested without GPUs.
+
+    Args:
+        module: the module to run. Its parameters may live on any device.
+        device_ids: the devices (CUDA indices, strings, ``torch.device``s; duplicates allowed).
+            Default: ``None``, every visible CUDA device, else the CPU.
+        output_device: where outputs are gathered. Default: ``None``, the first device.
+        dim: the dimension along which inputs (positional and keyword) are split and outputs
+            concatenated. Default: ``0``.
+        buffers: in training mode, how the module's buffers are updated from the replicas'
+            copies: ``"average"`` (floating-point buffers become the average of the replicas'
+            updated copies, weighted by their numbers of rows; others take replica 0's) or
+            ``"replica0"`` (``nn.DataParallel``'s behaviour). Default: ``"average"``.
+        split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
+            ``"chunk"``.
+
+    Example:
+        >>> import torch, fdp
+        >>> model = fdp.DataParallel(torch.nn.Linear(5, 2), device_ids=["cpu", "cpu"])
+        >>> model(torch.randn(30, 5)).shape
+        torch.Size([30, 2])
+        >>> list(model.state_dict())
+        ['module.weight', 'module.bias']
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[_devices.DeviceLike] | None = None,
+        output_device: _devices.DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        buffers: Literal["average", "replica0"] = "average",
+        split: Literal["chunk", "balanced"] = "chunk",
+    ) -> None:
+        super().__init__()
+        if buffers not in ("average", "replica0"):
+            raise ValueError(f"fdp.DataParallel: buffers must be 'average' or 'replica0', got {buffers!r}")
+        self.module = module
+        devices = _devices.resolve_devices(device_ids, what="fdp.DataParallel device_ids")
+        output = (
+            devices[0]
+            if output_device is None
+            else _devices.check_available(
+                _devices.parse_device(output_device, what="fdp.DataParallel output_device"),
+                what="fdp.DataParallel output_device",
+            )
+        )
+        self.device_ids = [_as_device_id(d) for d in devices]
+        self.output_device = _as_device_id(output)
+        self.dim = dim
+        self.buffers_mode = buffers
+        self._devices = devices
+        self._mapped = _pmap.pmap(
+            self._forward_replica,
+            in_axes=(None, None, dim, dim),
+            out_axes=(dim, _state.PER_REPLICA),
+            devices=list(devices),
+            output_device=output,
+            split=split,
+        )
+        self._placed: tuple[Any, Any] | None = None  # (key, PerReplica parameters)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        params = self._place(dict(self.module.named_parameters()))
+        buffers = dict(self.module.named_buffers())
+        outputs, (updated, rows) = self._mapped(params, buffers, inputs, kwargs)  # type: ignore[arg-type]
+        if self.module.training and buffers:
+            self._update_buffers(buffers, updated, rows)
+        return outputs
+
+    def _place(self, params: dict[str, torch.Tensor]) -> dict[str, _state.PerReplica]:
+        """The parameters on every device, copied again only when one of them changed.
+
+        The key holds every parameter's identity, version counter (bumped by optimizer steps and
+        any in-place change), device and ``requires_grad``, and the grad mode (copies made under
+        ``no_grad`` carry no graph back to the parameters).
+        """
+        key = (
+            torch.is_grad_enabled(),
+            tuple((name, id(p), p._version, p.device, p.requires_grad) for name, p in params.items()),
+        )
+        if self._placed is not None and self._placed[0] == key:
+            return self._placed[1]
+        copies = _scatter.replicate(params, self._devices)
+        placed = {name: _state.PerReplica.prefix([c[name] for c in copies], self._devices) for name in params}
+        self._placed = (key, placed)
+        return placed
+
+    def _forward_replica(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if not (self.module.training and buffers):
+            return _functional_call.functional_call(self.module, {**params, **buffers}, args, kwargs), (
+                None,
+                0,
+            )
+        # Training mode: this replica updates its own copy of the buffers (BatchNorm statistics).
+        output, new_buffers = _functional_call.stateful_call(self.module, params, buffers, args, kwargs)
+        rows = next(
+            (
+                leaf.shape[self.dim]
+                for leaf in _tree.flatten((args, kwargs))[0]
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+            ),
+            1,
+        )
+        return output, (new_buffers, rows)
+
+    @torch.no_grad()
+    def _update_buffers(
+        self, buffers: dict[str, torch.Tensor], updated: dict[str, _state.PerReplica], rows: _state.PerReplica
+    ) -> None:
+        weights = [float(r) for r in rows]
+        total = sum(weights)
+        for name, buffer in buffers.items():
+            values = [v.to(buffer.device) for v in updated[name]]
+            if self.buffers_mode == "average" and buffer.is_floating_point():
+                new = sum(v * (w / total) for v, w in zip(values, weights))
+            else:
+                new = values[0]
+            buffer.copy_(new)
