@@ -93,22 +93,37 @@ class DataParallel(nn.Module):
         self.dim = dim
         self.buffers_mode = buffers
         self._devices = devices
+        # A module-level function, not a bound method: the wrapper must not refer to itself
+        # (a reference cycle would keep every replaced model alive until the next gc run).
         self._mapped = _pmap.pmap(
-            self._forward_replica,
-            in_axes=(None, None, dim, dim),
+            _forward_replica,
+            in_axes=(None, None, None, None, dim, dim),
             out_axes=(dim, _state.PER_REPLICA),
             devices=list(devices),
             output_device=output,
             split=split,
         )
+        self._mapped._caller = "fdp.DataParallel"
+        # The user's inputs are the pmapped function's args[4] (positional) and args[5] (keyword).
+        self._mapped.rename_paths = _user_paths
         self._placed: tuple[Any, Any] | None = None  # (key, PerReplica parameters)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        params = self._place(dict(self.module.named_parameters()))
         buffers = dict(self.module.named_buffers())
-        outputs, (updated, rows) = self._mapped(params, buffers, inputs, kwargs)  # type: ignore[arg-type]
+        if not any(isinstance(leaf, torch.Tensor) for leaf in _tree.flatten((inputs, kwargs))[0]):
+            # Nothing to split: nn.DataParallel runs such a call on its first device alone.
+            device = self._devices[0]
+            params = {name: p.to(device) for name, p in self.module.named_parameters()}
+            on_device = {name: b.to(device) for name, b in buffers.items()}
+            outputs, (updated, _) = _forward_replica(self.module, self.dim, params, on_device, inputs, kwargs)
+            if updated is not None:
+                self._update_buffers(buffers, [updated], [1.0])
+            return outputs
+        placed = self._place(dict(self.module.named_parameters()))
+        outputs, (updated, rows) = self._mapped(self.module, self.dim, placed, buffers, inputs, kwargs)  # type: ignore[arg-type]
         if self.module.training and buffers:
-            self._update_buffers(buffers, updated, rows)
+            replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
+            self._update_buffers(buffers, replicas, [float(n) for n in rows])
         return outputs
 
     def _place(self, params: dict[str, torch.Tensor]) -> dict[str, _state.PerReplica]:
@@ -129,40 +144,41 @@ class DataParallel(nn.Module):
         self._placed = (key, placed)
         return placed
 
-    def _forward_replica(
-        self,
-        params: dict[str, torch.Tensor],
-        buffers: dict[str, torch.Tensor],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        if not (self.module.training and buffers):
-            return _functional_call.functional_call(self.module, {**params, **buffers}, args, kwargs), (
-                None,
-                0,
-            )
-        # Training mode: this replica updates its own copy of the buffers (BatchNorm statistics).
-        output, new_buffers = _functional_call.stateful_call(self.module, params, buffers, args, kwargs)
-        rows = next(
-            (
-                leaf.shape[self.dim]
-                for leaf in _tree.flatten((args, kwargs))[0]
-                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-            ),
-            1,
-        )
-        return output, (new_buffers, rows)
-
     @torch.no_grad()
     def _update_buffers(
-        self, buffers: dict[str, torch.Tensor], updated: dict[str, _state.PerReplica], rows: _state.PerReplica
+        self, buffers: dict[str, torch.Tensor], replicas: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> None:
-        weights = [float(r) for r in rows]
+        """Writes the replicas' updated buffers into the module's, averaged or from replica 0."""
         total = sum(weights)
         for name, buffer in buffers.items():
-            values = [v.to(buffer.device) for v in updated[name]]
+            values = [r[name].to(buffer.device) for r in replicas]
+            new = values[0]
             if self.buffers_mode == "average" and buffer.is_floating_point():
-                new = sum(v * (w / total) for v, w in zip(values, weights))
-            else:
-                new = values[0]
-            buffer.copy_(new)
+                share = torch.tensor(weights, dtype=buffer.dtype, device=buffer.device) / total
+                new = torch.tensordot(share, torch.stack(values), dims=1)  # sum_r w_r / W * value_r
+            if not torch.equal(new, buffer):  # untouched buffers keep their version counters
+                buffer.copy_(new)
+
+
+def _forward_replica(
+    module: nn.Module,
+    dim: int,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """One replica's forward; in training mode, with its own copy of the buffers."""
+    if not (module.training and buffers):
+        output = _functional_call.functional_call(module, {**params, **buffers}, args, kwargs)
+        return output, (None, 0)
+    output, new_buffers = _functional_call.stateful_call(module, params, buffers, args, kwargs)
+    tensors = [t for t in _tree.flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return output, (new_buffers, tensors[0].shape[dim] if tensors else 1)
+
+
+def _user_paths(path: str) -> str:
+    for position, name in (("args[4]", "inputs"), ("args[5]", "kwargs")):
+        if path.startswith(position):
+            return name + path[len(position) :]
+    return path

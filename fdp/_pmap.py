@@ -80,6 +80,8 @@ class Pmapped(Generic[P, R]):
         self.static_argnums = argnums
         self.check_unmapped_outputs = bool(check_unmapped_outputs)
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
+        # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
+        self.rename_paths: Callable[[str], str] | None = None
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
         if not self.is_module:
@@ -148,9 +150,7 @@ class Pmapped(Generic[P, R]):
             devices,
             self.split,
             caller=caller,
-            paths=lambda: [
-                p for part, root in zip(parts, roots) for p in _tree.flatten_with_paths(part, root)[0]
-            ],
+            paths=lambda: self._paths(parts, roots),
         )
         n = len(scattered.devices)
         replicas = [
@@ -179,6 +179,11 @@ class Pmapped(Generic[P, R]):
             devices=scattered.devices,
             inputs=[leaf for leaf in leaves if not isinstance(leaf, _state.PerReplica)],
         )
+
+    def _paths(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> list[str]:
+        """Every input leaf's key path, for messages (``rename_paths`` may rewrite them)."""
+        paths = [p for part, root in zip(parts, roots) for p in _tree.flatten_with_paths(part, root)[0]]
+        return [self.rename_paths(p) for p in paths] if self.rename_paths is not None else paths
 
     def _parts(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -256,9 +261,7 @@ class Pmapped(Generic[P, R]):
     ) -> None:
         for (k, copies), before in zip(scattered.shared, versions):
             if any(_version(t) != v for t, v in zip(copies, before)):
-                paths = [
-                    p for part, root in zip(parts, roots) for p in _tree.flatten_with_paths(part, root)[0]
-                ]
+                paths = self._paths(parts, roots)
                 raise RuntimeError(
                     f"{self._caller}: the replicas modified {paths[k]} in place, but it is "
                     f"replicated (axis None) over {len(copies)} replicas, which share it on one "

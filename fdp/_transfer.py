@@ -83,13 +83,17 @@ class _CudaBroadcast(Function):
     """Copies tensors that live on ``devices[0]`` to every device in ``devices`` (distinct GPUs).
 
     Returns the copies device-major: all tensors for ``devices[0]``, then for ``devices[1]``...
-    Backward sums the gradients back onto ``devices[0]`` with one coalesced reduction.
+    Backward sums the gradients back onto ``devices[0]`` with one coalesced reduction; a tensor
+    none of whose copies received a gradient gets ``None``, as on one device (``nn.DataParallel``
+    gives unused parameters zeros).
     """
 
     @staticmethod
     def forward(ctx, devices, *tensors):  # type: ignore[override]
         ctx.source = devices[0]
+        ctx.devices = list(devices)
         ctx.count = len(tensors)
+        ctx.set_materialize_grads(False)
         copies = _comm.broadcast_coalesced(tensors, devices)
         frozen = [
             per_device[i]
@@ -98,11 +102,26 @@ class _CudaBroadcast(Function):
             for per_device in copies
         ]
         ctx.mark_non_differentiable(*frozen)
+        ctx.like = [(t.shape, t.dtype) for t in tensors]
         return tuple(t for per_device in copies for t in per_device)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None,) + _CudaReduceAdd.apply(ctx.source, ctx.count, *grads)
+        count = ctx.count
+        used = [any(grads[r * count + i] is not None for r in range(len(ctx.devices))) for i in range(count)]
+        if not any(used):
+            return (None,) * (count + 1)
+        filled = []
+        for r, device in enumerate(ctx.devices):
+            group = grads[r * count : (r + 1) * count]
+            # Zeros where a copy got no gradient, on the device its siblings' gradients are on.
+            where = next((g.device for g in group if g is not None), device)
+            filled.extend(
+                torch.zeros(shape, dtype=dtype, device=where) if g is None else g
+                for g, (shape, dtype) in zip(group, ctx.like)
+            )
+        summed = _CudaReduceAdd.apply(ctx.source, count, *filled)
+        return (None, *(s if u else None for s, u in zip(summed, used)))
 
 
 class _CudaReduceAdd(Function):

@@ -44,7 +44,8 @@ def comm(monkeypatch: pytest.MonkeyPatch) -> CpuComm:
     return fake
 
 
-DEVICES = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)]
+# Labels only: the stand-in keeps every tensor on the CPU.
+DEVICES = [torch.device("cpu")] * 3
 
 
 def test_scatter_backward_is_gather(comm: CpuComm) -> None:
@@ -87,3 +88,11 @@ def test_plain_paths_do_not_copy_on_the_same_device() -> None:
     assert _transfer.broadcast([x], [torch.device("cpu")] * 3) == [[x], [x], [x]]
     assert _transfer.gather_to([x], 0, torch.device("cpu")) is x
     assert _transfer.split_to(x, 0, [4], [torch.device("cpu")])[0] is x
+
+
+def test_broadcast_of_an_unused_tensor_gives_no_grad(comm: CpuComm) -> None:
+    used, unused = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+    copies = _transfer._CudaBroadcast.apply(DEVICES[:2], used, unused)
+    (copies[0].sum() + copies[2].sum()).backward()
+    assert unused.grad is None  # nn.DataParallel gives unused parameters zeros
+    torch.testing.assert_close(used.grad, torch.full((2,), 2.0))
