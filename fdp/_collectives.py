@@ -60,7 +60,7 @@ def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
 def axis_index(axis_name: Hashable) -> int:
     """This replica's index along the mapped axis: ``0 <= axis_index < axis_size``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> f = fdp.pmap(lambda x: x * 0 + fdp.axis_index("i"), axis_name="i", devices=["cpu"] * 3)
         >>> f(torch.zeros(6)).tolist()
@@ -74,7 +74,7 @@ def axis_size(axis_name: Hashable) -> int:
 
     With ``split="chunk"``, a batch of 10 on 8 devices runs 5 replicas, and ``axis_size`` is 5.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> f = fdp.pmap(lambda x: torch.tensor(fdp.axis_size("i")), axis_name="i", devices=["cpu"] * 8)
         >>> f(torch.zeros(10)).tolist()
@@ -479,7 +479,7 @@ def psum(x: Any, axis_name: Hashable) -> Any:
         NameError: outside a function mapped with this ``axis_name``.
         ValueError: the replicas passed different structures, shapes or dtypes.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> f = fdp.pmap(lambda x: x - fdp.psum(x.sum(), "i"), axis_name="i", devices=["cpu"] * 2)
         >>> f(torch.arange(4.0))
@@ -522,7 +522,7 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
     Returns:
         A tree like ``x`` holding the means.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> @fdp.pmap(axis_name="i", devices=["cpu"] * 2, out_axes=None)
         ... def mean_of_means(x):
@@ -554,7 +554,7 @@ def _check_floating(x: Any, caller: str) -> None:
 def pmax(x: Any, axis_name: Hashable) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> largest = fdp.pmap(lambda x: fdp.pmax(x, "i"), axis_name="i", devices=["cpu"] * 3)
         >>> largest(torch.tensor([3.0, 1.0, 2.0]))
@@ -567,7 +567,7 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
 def pmin(x: Any, axis_name: Hashable) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> smallest = fdp.pmap(lambda x: fdp.pmin(x, "i"), axis_name="i", devices=["cpu"] * 3)
         >>> smallest(torch.tensor([3.0, 1.0, 2.0]))
@@ -591,7 +591,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     Returns:
         A tree like ``x``; each leaf with the replicas' values stacked or concatenated.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> f = fdp.pmap(lambda x: fdp.all_gather(x, "i"), axis_name="i", devices=["cpu"] * 2, out_axes=None)
         >>> f(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
@@ -629,7 +629,7 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     A replica that is no pair's destination gets zeros, as in ``jax.lax.ppermute``. Sources must
     be distinct, and so must destinations.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> shift_right = lambda x: fdp.ppermute(x, "i", [(0, 1), (1, 2)])
         >>> shift = fdp.pmap(shift_right, axis_name="i", devices=["cpu"] * 3)

@@ -56,7 +56,7 @@ class DataParallel(nn.Module):
         split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
             ``"chunk"``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> model = fdp.DataParallel(torch.nn.Linear(5, 2), device_ids=["cpu", "cpu"])
         >>> model(torch.randn(30, 5)).shape

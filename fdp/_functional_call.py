@@ -123,7 +123,7 @@ def functional_call(
     Returns:
         What ``module.forward`` returns.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> layer = torch.nn.Linear(3, 1)
         >>> params = {"weight": torch.ones(1, 3), "bias": torch.zeros(1)}
@@ -169,7 +169,7 @@ def stateful_call(
     Returns:
         ``(output, new_buffers)``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> bn = torch.nn.BatchNorm1d(2)
         >>> buffers = dict(bn.named_buffers())

@@ -220,7 +220,7 @@ def gather(
         ValueError: the structures differ, non-tensor leaves differ, or tensors cannot be
             concatenated.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> fdp.gather([{"y": torch.zeros(2), "n": 1}, {"y": torch.ones(1), "n": 1}], "cpu")
         {'y': tensor([0., 0., 1.]), 'n': 1}

@@ -45,7 +45,19 @@ Tree = Any
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer as a pair of pure functions (optax's interface)."""
+    """An optimizer as a pair of pure functions (optax's interface).
+
+    ``init(params)`` returns the optimizer state; ``update(grads, state, params)`` returns
+    ``(updates, new_state)``.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> double = lambda grads, state, params=None: ({"w": 2 * grads["w"]}, state)
+        >>> scale_by_two = optim.GradientTransformation(lambda params: (), double)
+        >>> scale_by_two.update({"w": torch.ones(1)}, scale_by_two.init(None))[0]
+        {'w': tensor([2.])}
+    """
 
     init: Callable[[Tree], Any]
     update: Callable[[Tree, Any, Tree | None], tuple[Tree, Any]]
@@ -101,7 +113,7 @@ def sgd(
         nesterov: Nesterov momentum. Default: ``False``.
         weight_decay: L2 penalty added to the gradient. Default: ``0.0``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fdp import optim
         >>> opt = optim.sgd(0.1, momentum=0.9)
@@ -200,6 +212,15 @@ def adam(
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator. Default: ``1e-8``.
         weight_decay: L2 penalty. Default: ``0.0``.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> opt = optim.adam(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -1.0])}, opt.init(params), params)
+        >>> optim.apply_updates(params, updates)
+        {'w': tensor([-0.1000,  0.1000])}
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=False, name="adam")
 
@@ -218,6 +239,15 @@ def adamw(
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator. Default: ``1e-8``.
         weight_decay: decoupled weight decay. Default: ``1e-2``.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> opt = optim.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.zeros(2)}, opt.init(params), params)
+        >>> optim.apply_updates(params, updates)  # decay only: 1 - 0.1 * 0.5
+        {'w': tensor([0.9500, 0.9500])}
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=True, name="adamw")
 
@@ -228,7 +258,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     As ``torch.nn.utils.clip_grad_norm_`` (norm type 2): the scale is
     ``min(1, max_norm / (total_norm + 1e-6))``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fdp import optim
         >>> clip = optim.clip_by_global_norm(1.0)
@@ -258,7 +288,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order; the state is the tuple of their states.
 
-    Example:
+    Examples:
         >>> from fdp import optim
         >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
     """
@@ -282,7 +312,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 @torch.no_grad()
 def apply_updates(params: Tree, updates: Tree) -> Tree:
-    """``params + updates``, leaf by leaf (in one ``torch._foreach_add``), without autograd."""
+    """``params + updates``, leaf by leaf (in one ``torch._foreach_add``), without autograd.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> optim.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)})
+        {'w': tensor([1.5000, 1.5000])}
+    """
     p, spec = _leaves(params)
     u, other = _leaves(updates)
     if spec != other:

@@ -45,7 +45,7 @@ def parallel_apply(
     Returns:
         The replicas' results, in order.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> fdp.parallel_apply(torch.square, [(torch.tensor(2.0),), (torch.tensor(3.0),)],
         ...                    devices=["cpu", "cpu"])

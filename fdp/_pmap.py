@@ -34,7 +34,14 @@ class _Plan:
 
 
 class Pmapped(Generic[P, R]):
-    """A function mapped over devices by :func:`pmap`; call it like the original."""
+    """A function mapped over devices by :func:`pmap`; call it like the original.
+
+    Examples:
+        >>> import torch, fdp
+        >>> double = fdp.pmap(lambda x: 2 * x, devices=["cpu", "cpu"])
+        >>> double.devices, double.output_device
+        ((device(type='cpu'), device(type='cpu')), device(type='cpu'))
+    """
 
     def __init__(
         self,

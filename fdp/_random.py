@@ -54,7 +54,7 @@ def fold_in(seed: int, data: int) -> int:
     Different ``(seed, data)`` pairs give unrelated seeds (``fold_in(s, 1)`` has nothing to do
     with ``fold_in(s + 1, 0)``); the result is a valid ``torch.manual_seed`` value.
 
-    Example:
+    Examples:
         >>> import fdp
         >>> fdp.fold_in(0, 1) == fdp.fold_in(0, 1) != fdp.fold_in(1, 0)
         True
@@ -65,7 +65,7 @@ def fold_in(seed: int, data: int) -> int:
 def replica_seed(seed: int, axis_name: Hashable) -> int:
     """This replica's seed: ``fold_in(seed, axis_index(axis_name))``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> seed_of = lambda x: torch.tensor(fdp.replica_seed(7, "i"))
         >>> seeds = fdp.pmap(seed_of, axis_name="i", devices=["cpu"] * 2)
@@ -227,7 +227,7 @@ def rng_scope(seed: int) -> contextlib.AbstractContextManager[None]:
     Args:
         seed: the seed of the block's generators (one per device, derived from it).
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> with fdp.rng_scope(3):
         ...     a = torch.nn.functional.dropout(torch.ones(8), 0.5)
@@ -248,7 +248,7 @@ def rng_checkpoint_context() -> tuple[
     in a scope whose generators are where they were when the region first ran, so it draws the
     same dropout masks. Use with ``use_reentrant=False``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> from torch.utils.checkpoint import checkpoint
         >>> x = torch.ones(6, requires_grad=True)

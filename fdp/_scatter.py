@@ -216,7 +216,7 @@ def scatter(
         ValueError: mapped leaves disagree in size, a leaf's rank is too small, the batch is
             empty, or ``in_axes`` is not a prefix of ``tree``.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> shards = fdp.scatter({"x": torch.arange(5), "tag": "a"}, ["cpu", "cpu"])
         >>> [s["x"].tolist() for s in shards], [s["tag"] for s in shards]
@@ -254,7 +254,7 @@ def replicate(tree: Any, devices: Sequence[_devices.DeviceLike]) -> list[Any]:
     Returns:
         A list with one tree per device.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> w = torch.ones(2, requires_grad=True)
         >>> copies = fdp.replicate({"w": w}, ["cpu", "cpu"])

@@ -27,7 +27,7 @@ class PerReplica:
         values: the replicas' values, in replica order.
         devices: their devices (one per value).
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> state = fdp.device_put_replicated({"w": torch.zeros(2)}, ["cpu", "cpu"])
         >>> state["w"]
@@ -100,7 +100,7 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
     Returns:
         ``tree`` with every tensor leaf replaced by a :class:`PerReplica`.
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> state = fdp.device_put_replicated({"w": torch.ones(2), "step": 0}, ["cpu"] * 3)
         >>> len(state["w"]), state["step"]
@@ -130,7 +130,7 @@ def unreplicate(tree: Any, index: int = 0) -> Any:
         ``tree`` with every :class:`PerReplica` replaced by its ``index``-th value (on that
         replica's device).
 
-    Example:
+    Examples:
         >>> import torch, fdp
         >>> fdp.unreplicate(fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu"] * 2))
         {'w': tensor([1., 1.])}
