@@ -10,6 +10,11 @@ same update. Only that one exchange crosses devices.
     python examples/train.py                         # every GPU, else two CPU replicas
     python examples/train.py --devices 'cpu*4' --steps 600
     python examples/train.py --steps 600 --resume    # continue from the last checkpoint
+    torchrun --standalone --nproc-per-node=2 examples/train.py   # one replica per process
+
+Under torchrun the same step spans every process (fdp.distributed): each process takes its
+share of every global batch, logs, shows progress and writes checkpoints only on rank 0, and the
+run prints the same final line as one process with as many replicas.
 
 Checkpoints are written atomically (to a temporary file, then renamed) and loaded with
 ``torch.load(weights_only=True)``; a resumed run ends exactly where an uninterrupted one does.
@@ -65,8 +70,13 @@ def make_model() -> nn.Module:
 
 
 def parse_devices(text: str | None) -> list[str]:
-    """``"cpu,cpu"``, ``"cpu*4"``, ``"cuda:0,cuda:1"``; default: every GPU, else two CPU replicas."""
+    """``"cpu,cpu"``, ``"cpu*4"``, ``"cuda:0,cuda:1"``; default: every GPU, else two CPU replicas.
+
+    Under torchrun the default is the process's own device (its GPU, or the CPU).
+    """
     if text is None:
+        if fdp.distributed.is_initialized():
+            return [str(d) for d in fdp.distributed.local_devices()]
         if torch.cuda.is_available():
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return ["cpu", "cpu"]
@@ -209,8 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     args = parser.parse_args(argv)
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fdp.distributed.initialize()  # launched by torchrun: one step across every process
+    main_process = fdp.distributed.is_main_process()
     devices = parse_devices(args.devices)
-    if len(devices) > 1 and all(d.startswith("cpu") for d in devices):
+    replicas = len(devices) * fdp.distributed.world_size()
+    if replicas > 1 and all(d.startswith("cpu") for d in devices):
         # The replica threads are the parallelism. Intra-op threads on top would oversubscribe
         # the cores, and replicas competing for them change how float sums are split, so two
         # runs (or a resumed one) would drift apart in the last bits.
@@ -223,11 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     train_step, eval_step = build_steps(model, opt, devices)
 
     # What the run's numbers depend on: resuming with other values would silently change them.
-    settings = {"seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "replicas": len(devices)}
+    settings = {"seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "replicas": replicas}
     start, last_loss = 0, float("nan")
     if args.resume and args.checkpoint.exists():
         start, last_loss, single = load_checkpoint(args.checkpoint, opt, settings)
-        print(f"resumed from {args.checkpoint} at step {start}", file=sys.stderr)
+        if main_process:
+            print(f"resumed from {args.checkpoint} at step {start}", file=sys.stderr)
     else:
         params = {k: v.detach() for k, v in model.named_parameters()}
         buffers = {k: v.detach() for k, v in model.named_buffers()}
@@ -238,7 +253,10 @@ def main(argv: list[str] | None = None) -> None:
         model.eval()
         loss_sum, correct = 0.0, 0
         for i in range(0, len(eval_x), 256):
-            s, c = eval_step(state, eval_x[i : i + 256], eval_y[i : i + 256])
+            x, y = fdp.distributed.shard_batch(
+                (eval_x[i : i + 256], eval_y[i : i + 256]), local_replicas=len(devices)
+            )
+            s, c = eval_step(state, x, y)
             loss_sum, correct = loss_sum + float(s), correct + int(c)
         model.train()
         return loss_sum / len(eval_x), correct / len(eval_x)
@@ -248,25 +266,31 @@ def main(argv: list[str] | None = None) -> None:
     progress = tqdm(
         total=args.steps,
         initial=start,
-        desc=f"training on {len(devices)} replicas",
+        desc=f"training on {replicas} replicas",
         file=sys.stderr,
         mininterval=0.5,
+        disable=not main_process,  # one progress bar, rank 0's
     )
     started, seen = time.perf_counter(), 0
     for step in range(start, args.steps):
-        x, y = batch_for(step, train_x, train_y, args.batch_size, args.seed)
+        batch = batch_for(step, train_x, train_y, args.batch_size, args.seed)
+        seen += len(batch[0])  # the global batch
+        x, y = fdp.distributed.shard_batch(batch, local_replicas=len(devices))  # this process's rows
         state, loss = train_step(state, x, y, fdp.fold_in(args.seed, step))
-        seen += len(x)
         done = step + 1
         progress.update(1)
         rate = seen / (time.perf_counter() - started)
         progress.set_postfix(loss=f"{float(loss):.4f}", samples_per_s=f"{rate:.0f}", refresh=False)
         if done % args.eval_every == 0 or done == args.steps:
-            eval_loss, accuracy = evaluate()
-            progress.write(f"step {done}: eval loss {eval_loss:.4f}, accuracy {accuracy:.3f}")
-        if done % args.checkpoint_every == 0 or done == args.steps:
+            eval_loss, accuracy = evaluate()  # every process evaluates its share
+            if main_process:
+                progress.write(f"step {done}: eval loss {eval_loss:.4f}, accuracy {accuracy:.3f}")
+        if (done % args.checkpoint_every == 0 or done == args.steps) and main_process:
             save_checkpoint(args.checkpoint, done, float(loss), state, settings)
     progress.close()
+    fdp.distributed.shutdown()
+    if not main_process:
+        return
     params = fdp.unreplicate(state)["params"]
     print(
         f"final: step={max(start, args.steps)} loss={float(loss):.6f} params_checksum={checksum(params):.6f}"

@@ -12,7 +12,7 @@ The public API is re-exported here from private modules, one job each:
 * :func:`functional_call` (``_functional_call``): a thread-safe ``torch.func.functional_call``.
 """
 
-from . import optim
+from . import distributed, optim
 from ._collectives import all_gather, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum
 from ._data_parallel import DataParallel
 from ._functional_call import functional_call, stateful_call
@@ -36,6 +36,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "device_put_replicated",
+    "distributed",
     "fold_in",
     "functional_call",
     "gather",

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from . import _replica, _transfer, _tree
+from . import _distributed, _replica, _transfer, _tree
 
 __all__ = [
     "psum",
@@ -66,7 +66,8 @@ def axis_index(axis_name: Hashable) -> int:
         >>> f(torch.zeros(6)).tolist()
         [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
     """
-    return _bound(axis_name, "fdp.axis_index").index
+    context = _bound(axis_name, "fdp.axis_index")
+    return context.group.offset + context.index
 
 
 def axis_size(axis_name: Hashable) -> int:
@@ -80,7 +81,7 @@ def axis_size(axis_name: Hashable) -> int:
         >>> f(torch.zeros(10)).tolist()
         [5, 5, 5, 5, 5]
     """
-    return _bound(axis_name, "fdp.axis_size").size
+    return _bound(axis_name, "fdp.axis_size").group.global_size
 
 
 # --- packing a tree into flat buffers ----------------------------------------------------------
@@ -206,8 +207,9 @@ class _Op:
         return op
 
     def combine(
-        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
+        """Every replica's result from every replica's buffer (``extras``: their extra values)."""
         raise NotImplementedError
 
 
@@ -216,7 +218,8 @@ class _AllReduce(_Op):
 
     ``scaling``: ``"none"``; ``"mean"`` (divide by the replica count); ``"weighted_in"``
     (result = sum_j w_j x_j / sum_j w_j, the weighted mean; ``extras[r]`` is w_r) and its
-    transpose ``"weighted_out"`` (result_r = w_r / sum_j w_j * sum_j x_j).
+    transpose ``"weighted_out"`` (result_r = w_r / sum_j w_j * sum_j x_j). Across processes the
+    local replicas are combined first, then the processes (``_distributed``).
     """
 
     in_dim = out_dim = 0
@@ -243,29 +246,53 @@ class _AllReduce(_Op):
         return self.transposed(_AllReduce(self.reduce, self._TRANSPOSE[self.scaling]))
 
     def combine(
-        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
+        devices = group.devices
         destination = devices[0]
-        n = len(buffers)
         if self.reduce != "sum":
             stacked = torch.stack([_transfer.to_device(b, destination) for b in buffers])
             total = stacked.amax(0) if self.reduce == "max" else stacked.amin(0)
+            if group.distributed:
+                total = _distributed.all_reduce(total, self.reduce)
             return _distribute(total, devices, buffers)
+        weight_sum = 1.0
         if self.scaling in ("weighted_in", "weighted_out"):
-            weight_sum = sum(extras)
+            weight_sum = float(sum(extras))
+            if group.distributed:
+                weight_sum = float(
+                    _distributed.all_reduce(torch.tensor(weight_sum, dtype=torch.float64), "sum")
+                )
             if not weight_sum > 0:
                 raise ValueError(
                     f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
                 )
         if self.scaling == "weighted_in":
             buffers = [b * (w / weight_sum) for b, w in zip(buffers, extras)]
-        total = _transfer.reduce_add(buffers, destination) if n > 1 else buffers[0]
+        total = _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
+        if group.distributed:
+            total = _distributed.all_reduce(total, "sum")
         if self.scaling == "mean":
-            total = total / n
+            total = total / group.global_size
         results = _distribute(total, devices, buffers)
         if self.scaling == "weighted_out":
             results = [t * (w / weight_sum) for t, w in zip(results, extras)]
         return results
+
+
+def _gathered(buffers: list[torch.Tensor], group: _replica.CallGroup, caller: str) -> torch.Tensor:
+    """Every replica's buffer, stacked in global replica order, on the first local device."""
+    stacked = torch.stack([_transfer.to_device(b, group.devices[0]) for b in buffers])
+    if not group.distributed:
+        return stacked
+    if len(set(group.counts)) > 1:
+        raise ValueError(
+            f"{caller} across processes needs the same number of replicas in every process, but "
+            f"they run {group.counts}; give every process the same share of the batch "
+            "(fdp.distributed.shard_batch)"
+        )
+    gathered = _distributed.all_gather(stacked)
+    return gathered.reshape(-1, *stacked.shape[1:])
 
 
 class _AllGather(_Op):
@@ -275,10 +302,9 @@ class _AllGather(_Op):
     in_dim, out_dim = 0, 1
 
     def combine(
-        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
-        stacked = torch.stack([_transfer.to_device(b, devices[0]) for b in buffers])
-        return _distribute(stacked, devices, buffers)
+        return _distribute(_gathered(buffers, group, self.name), group.devices, buffers)
 
 
 class _ReduceScatter(_Op):
@@ -288,15 +314,17 @@ class _ReduceScatter(_Op):
     in_dim, out_dim = 1, 0
 
     def combine(
-        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
-        moved = [_transfer.to_device(b, devices[0]) for b in buffers]
-        total = _transfer.reduce_add(moved, devices[0])
-        return [_transfer.to_device(total[r], d).clone() for r, d in enumerate(devices)]
+        moved = [_transfer.to_device(b, group.devices[0]) for b in buffers]
+        total = _transfer.reduce_add(moved, group.devices[0]) if len(moved) > 1 else moved[0]
+        if group.distributed:
+            total = _distributed.all_reduce(total, "sum")
+        return [_transfer.to_device(total[group.offset + r], d).clone() for r, d in enumerate(group.devices)]
 
 
 class _Permute(_Op):
-    """result_dst = x_src for every (src, dst) pair; zeros where nothing arrives."""
+    """result_dst = x_src for every (src, dst) pair of global indices; zeros where nothing arrives."""
 
     name = "fdp.ppermute"
     in_dim = out_dim = 0
@@ -312,13 +340,17 @@ class _Permute(_Op):
         return self.transposed(_Permute(tuple((dst, src) for src, dst in self.perm)))
 
     def combine(
-        self, buffers: list[torch.Tensor], extras: list[Any], devices: Sequence[torch.device]
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
+        # Across processes every buffer is gathered first (simple, not the cheapest way).
+        everyone = _gathered(buffers, group, self.name) if group.distributed else None
         out = []
-        for dst, device in enumerate(devices):
-            src = self.source_of.get(dst)
+        for r, device in enumerate(group.devices):
+            src = self.source_of.get(group.offset + r)
             if src is None:
-                out.append(torch.zeros_like(buffers[dst]))
+                out.append(torch.zeros_like(buffers[r]))
+            elif everyone is not None:
+                out.append(_transfer.to_device(everyone[src], device).clone())
             else:
                 moved = _transfer.to_device(buffers[src], device)
                 out.append(moved.clone() if moved is buffers[src] else moved)
@@ -353,7 +385,7 @@ def _exchange(
                 "every replica must map over the same number of rows"
             )
         per_buffer = [
-            op.combine([p[1][b] for p in payloads], [p[2] for p in payloads], context.group.devices)
+            op.combine([p[1][b] for p in payloads], [p[2] for p in payloads], context.group)
             for b in range(len(buffers))
         ]
         return [[results[r] for results in per_buffer] for r in range(len(payloads))]
@@ -601,7 +633,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     """
     caller = "fdp.all_gather"
     context = _bound(axis_name, caller)
-    n = context.size
+    n = context.group.global_size
 
     def check_dim(k: int, leaf: torch.Tensor) -> int:
         rank = leaf.dim() if tiled else leaf.dim() + 1
@@ -649,9 +681,10 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
         raise ValueError(f"{caller}: sources and destinations in perm must be unique, got {list(pairs)}")
     for index in sources + destinations:
-        if not 0 <= index < context.size:
+        size = context.group.global_size
+        if not 0 <= index < size:
             raise ValueError(
-                f"{caller}: perm {list(pairs)} names replica {index}, but {context.size} replicas run "
+                f"{caller}: perm {list(pairs)} names replica {index}, but {size} replicas run "
                 f"along axis {axis_name!r} (the batch may have fewer shards than devices)"
             )
     packed, results = _run(_Permute(pairs), x, axis_name)

@@ -49,10 +49,10 @@ def parse_device(device: object, *, what: str) -> torch.device:
 
 
 def default_devices() -> tuple[torch.device, ...]:
-    """All visible CUDA devices, else one CPU device."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return tuple(torch.device("cuda", i) for i in range(torch.cuda.device_count()))
-    return (torch.device("cpu"),)
+    """All visible CUDA devices, else one CPU device; under fdp.distributed, this process's own."""
+    from . import _distributed  # local: _distributed is optional machinery on top of this module
+
+    return tuple(_distributed.local_devices())
 
 
 def check_available(device: torch.device, *, what: str) -> torch.device:

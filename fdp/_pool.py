@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _random, _replica, _thread_state
+from . import _distributed, _random, _replica, _thread_state
 
 __all__ = ["run_replicas", "ensure_not_in_replica"]
 
@@ -240,6 +240,10 @@ def run_replicas(
     state = _thread_state.capture()
     rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _replica.CallGroup(n, devices)
+    if axis_name is not None and _distributed.is_initialized():
+        # The axis spans every process: one exchange of replica counts places this one's.
+        group.offset, group.global_size, group.counts = _distributed.global_layout(n)
+        group.distributed = True
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     latch = _Latch(n - 1)
@@ -311,5 +315,8 @@ def run_replicas(
         if cuda_sync is not None:
             cuda_sync.finish(results, workers)
     if any(e is not None for e in errors):
-        raise _primary_error(errors, devices, caller)
+        failure = _primary_error(errors, devices, caller)
+        if group.distributed:
+            _distributed.record_failure(failure)  # other processes stop waiting for this one
+        raise failure
     return results

@@ -63,6 +63,12 @@ class CallGroup:
         self.failed_index: int | None = None
         self.finished = [False] * size
         self.done = False  # every replica has returned: the call is over
+        # Across processes (fdp.distributed): this process's first global replica index, the
+        # global replica count, and every process's count.
+        self.distributed = False
+        self.offset = 0
+        self.global_size = size
+        self.counts: list[int] = [size]
         self._rounds: dict[int, _Round] = {}
         self._next = [0] * size
 

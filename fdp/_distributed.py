@@ -1,0 +1,448 @@
+"""Beyond one process: the mapped axis across processes and nodes, on ``torch.distributed``.
+
+After :func:`initialize` (from the environment ``torchrun`` sets), the axis of every pmapped call
+with an ``axis_name`` spans the replicas of every process: process ``p`` runs its local replicas
+as always (threads), their global indices start at the sum of the replica counts of processes
+``0..p-1``, and every collective first combines the local replicas (as in one process) and then
+the processes, with one process-group call per collective.
+
+Process-group calls are issued by one thread per process, the :class:`_Communicator`, in the
+order the collectives are reached, which is the same on every process (SPMD): ranks cannot
+deadlock on ordering. While it waits, it watches the store for failures that other ranks record
+(:func:`record_failure`), so a rank that raises makes the others fail within seconds with an
+error naming it, instead of waiting for the process group's timeout.
+
+Across processes, the autograd graph cannot span the replicas: each process-level step is an
+autograd function whose backward is the transposed process-level collective, run by every
+rank's backward in the same order (as DDP's all-reduce hooks are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _split
+
+__all__ = [
+    "initialize",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "world_size",
+    "is_main_process",
+    "local_devices",
+    "shard_batch",
+    "record_failure",
+]
+
+_FAILURE_PREFIX = "fdp/failure/"
+_POLL = datetime.timedelta(seconds=0.5)
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed: raised on the ranks that were waiting for it."""
+
+
+@dataclass
+class _State:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    store: Any
+    timeout: datetime.timedelta
+    communicator: _Communicator
+    owns_group: bool
+
+
+_STATE: _State | None = None
+
+
+class _Communicator:
+    """The one thread of this process that issues process-group calls."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="fdp-communicator", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            work, box, done = item
+            try:
+                box.append((True, work()))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                box.append((False, error))
+            finally:
+                done.set()
+
+    def call(self, work: Callable[[], Any]) -> Any:
+        if threading.current_thread() is self._thread:
+            return work()
+        box: list[Any] = []
+        done = threading.Event()
+        self._tasks.put((work, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout=10)
+
+
+def _state() -> _State:
+    if _STATE is None:
+        raise RuntimeError("fdp.distributed is not initialized: call fdp.distributed.initialize() first")
+    return _STATE
+
+
+def is_initialized() -> bool:
+    """Whether :func:`initialize` has run in this process (and :func:`shutdown` has not)."""
+    return _STATE is not None
+
+
+def rank() -> int:
+    """This process's rank (0 without :func:`initialize`)."""
+    return _STATE.rank if _STATE is not None else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 without :func:`initialize`)."""
+    return _STATE.world_size if _STATE is not None else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and without :func:`initialize`): where to log, show progress, write files."""
+    return rank() == 0
+
+
+def local_devices() -> list[torch.device]:
+    """This process's default devices: its GPU (``cuda:LOCAL_RANK``) under a launcher, else the CPU."""
+    if _STATE is not None:
+        if torch.cuda.is_available():
+            return [torch.device("cuda", _STATE.local_rank % torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(
+                f"fdp.distributed.initialize: the environment variable {name} is not set; launch "
+                "with torchrun (e.g. torchrun --standalone --nproc-per-node=2 train.py) or pass "
+                "rank, world_size and store"
+            )
+        return default
+    return int(value)
+
+
+def initialize(
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | float = 300.0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Any = None,
+) -> None:
+    """Joins the process group that ``torchrun`` describes in the environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
+    ``torchrun``, single- and multi-node), creates the rendezvous store and the process group
+    (NCCL where CUDA is available, else gloo), pins this process to ``cuda:LOCAL_RANK`` on GPUs,
+    and starts the thread that issues process-group calls. From then on, pmapped calls with an
+    ``axis_name`` span the replicas of every process. If a process group already exists, it is
+    used as it is.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``. Default: ``None``, NCCL with CUDA, else gloo.
+        timeout: how long a collective may wait for other ranks (seconds or a timedelta).
+            Default: ``300.0``.
+        rank: this process's rank. Default: ``None``, from ``RANK``.
+        world_size: the number of processes. Default: ``None``, from ``WORLD_SIZE``.
+        store: a ``torch.distributed`` store (tests pass a ``FileStore``). Default: ``None``, a
+            ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
+
+    Examples:
+        >>> import fdp
+        >>> fdp.distributed.is_initialized(), fdp.distributed.rank(), fdp.distributed.world_size()
+        (False, 0, 1)
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("fdp.distributed.initialize was already called in this process")
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    owns_group = not dist.is_initialized()
+    if store is None:
+        # As torch's own env:// rendezvous: under torchrun the agent may host the store.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            _env_int("MASTER_PORT"),
+            world_size,
+            is_master=rank == 0 and not agent_store,
+            timeout=timeout,
+        )
+    if owns_group:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _STATE = _State(rank, world_size, local_rank, backend, store, timeout, _Communicator(), owns_group)
+    previous_hook = sys.excepthook
+
+    def record_uncaught(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        record_failure(error)
+        previous_hook(kind, error, trace)
+
+    sys.excepthook = record_uncaught
+
+
+def shutdown() -> None:
+    """Leaves the process group (if :func:`initialize` created it) and stops the communicator."""
+    global _STATE
+    state = _STATE
+    if state is None:
+        return
+    _STATE = None
+    state.communicator.close()
+    if state.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def record_failure(error: BaseException) -> None:
+    """Tells the other ranks that this one failed, so their collectives stop waiting for it.
+
+    fdp records failures of pmapped calls itself, and uncaught exceptions; call this for other
+    failures you catch before exiting.
+    """
+    state = _STATE
+    if state is None:
+        return
+    message = "".join(traceback.format_exception_only(type(error), error)).strip()
+    with contextlib.suppress(Exception):  # the store may be gone already: nothing more to tell
+        state.store.set(f"{_FAILURE_PREFIX}{state.rank}", message)
+
+
+def _failed_rank(state: _State) -> tuple[int, str] | None:
+    for other in range(state.world_size):
+        if other == state.rank:
+            continue
+        key = f"{_FAILURE_PREFIX}{other}"
+        try:
+            if state.store.check([key]):
+                return other, state.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - a store that is gone tells nothing
+            return None
+    return None
+
+
+def _wait(state: _State, work: Any, what: str) -> None:
+    """Waits for ``work``, failing fast when another rank has recorded a failure."""
+    if state.backend != "gloo":
+        work.wait()  # NCCL: its watchdog enforces the timeout
+        return
+    deadline = datetime.datetime.now() + state.timeout
+    while True:
+        try:
+            work.wait(_POLL)
+            return
+        except RuntimeError as error:
+            _raise_if_rank_failed(state, what, error)
+            if datetime.datetime.now() > deadline:
+                raise RankFailed(
+                    f"fdp.distributed: {what} timed out after {state.timeout} on rank {state.rank}; "
+                    "another rank may be hung"
+                ) from error
+
+
+def _raise_if_rank_failed(state: _State, what: str, error: BaseException) -> None:
+    failed = _failed_rank(state)
+    if failed is not None:
+        raise RankFailed(f"fdp.distributed: rank {failed[0]} failed during {what}: {failed[1]}") from error
+
+
+def _run(what: str, issue: Callable[[], Any]) -> None:
+    """Issues ``issue()`` (an async process-group call) on the communicator and waits for it."""
+    state = _state()
+
+    def work() -> None:
+        try:
+            handle = issue()
+        except RuntimeError as error:
+            _raise_if_rank_failed(state, what, error)
+            raise
+        _wait(state, handle, what)
+
+    state.communicator.call(work)
+
+
+# --- process-level collectives (differentiable) ----------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """The elementwise sum/max/min of ``tensor`` over the processes, differentiably."""
+    return _AllReduce.apply(tensor, op)
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's ``tensor`` stacked along a new dim 0 (rank order), differentiably."""
+    return _AllGather.apply(tensor)
+
+
+# DDP's bucket sizes: a small first bucket, so that communication starts early, then 25 MiB.
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+
+
+def _buckets(flat: torch.Tensor) -> list[torch.Tensor]:
+    """Contiguous views of ``flat`` of at most DDP's bucket sizes."""
+    per_element = flat.element_size()
+    pieces, start = [], 0
+    limit = max(1, FIRST_BUCKET_BYTES // per_element)
+    while start < flat.numel():
+        pieces.append(flat[start : start + limit])
+        start += limit
+        limit = max(1, BUCKET_BYTES // per_element)
+    return pieces
+
+
+def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """The all-reduce of ``tensor``, done as DDP does it: buckets of at most 25 MiB (1 MiB first),
+    one all_reduce each, all launched before any is waited for."""
+    result = tensor.detach().clone().contiguous()
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    state = _state()
+    what = f"an all_reduce ({op})"
+
+    def work() -> None:
+        handles = []
+        for bucket in _buckets(result.view(-1)):
+            try:
+                handles.append(dist.all_reduce(bucket, op=reduce_op, async_op=True))
+            except RuntimeError as error:
+                _raise_if_rank_failed(state, what, error)
+                raise
+        for handle in handles:
+            _wait(state, handle, what)
+
+    state.communicator.call(work)
+    return result
+
+
+def _gather(tensor: torch.Tensor) -> torch.Tensor:
+    source = tensor.detach().contiguous()
+    parts = [torch.empty_like(source) for _ in range(world_size())]
+    _run("an all_gather", lambda: dist.all_gather(parts, source, async_op=True))
+    return torch.stack(parts)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:  # type: ignore[override]
+        result = _reduce(tensor, op)
+        ctx.op = op
+        if op != "sum":
+            ctx.save_for_backward((tensor == result).to(tensor.dtype))
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        total = all_reduce(grad, "sum")  # every process's cotangent, for every process's input
+        if ctx.op == "sum":
+            return total, None
+        (mask,) = ctx.saved_tensors
+        ties = all_reduce(mask, "sum")
+        return total * mask / ties, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _gather(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return all_reduce(grad, "sum")[rank()]
+
+
+def replica_counts(local: int) -> list[int]:
+    """Every process's number of local replicas for this call (one all_gather)."""
+    counts = _gather(torch.tensor([local], dtype=torch.int64))
+    return [int(c) for c in counts.flatten()]
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+
+def shard_batch(batch: Any, *, local_replicas: int = 1, split: _split.SplitRule = "balanced") -> Any:
+    """This process's share of a global batch: the rows of its replicas.
+
+    Every process holds the same global batch (same seed, same data order); each takes the
+    rows that its replicas would get if one process ran all ``world_size * local_replicas``
+    replicas with ``split``. A pmapped call on the share (with the same ``split``) then gives
+    every replica exactly the rows it would have had in one process, so results match a
+    single-process run with as many replicas. (For a ``Dataset``, ``DistributedSampler`` is the
+    usual alternative; see docs/distributed.md.)
+
+    Args:
+        batch: a pytree whose tensors share dim 0.
+        local_replicas: the replicas each process runs. Default: ``1``.
+        split: ``"balanced"`` or ``"chunk"``. Default: ``"balanced"``.
+
+    Returns:
+        ``batch`` restricted to this process's rows (the whole batch without :func:`initialize`).
+
+    Examples:
+        >>> import torch, fdp
+        >>> fdp.distributed.shard_batch({"x": torch.arange(5)})  # one process: everything
+        {'x': tensor([0, 1, 2, 3, 4])}
+    """
+    from . import _tree  # local: _tree imports nothing from here, but keep this module light
+
+    leaves, spec = _tree.flatten(batch)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if not tensors or world_size() == 1:
+        return batch
+    rows = tensors[0].shape[0]
+    replicas = world_size() * local_replicas
+    sizes = list(_split.shard_sizes(rows, replicas, split)) + [0] * replicas
+    start = sum(sizes[: rank() * local_replicas])
+    stop = start + sum(sizes[rank() * local_replicas : (rank() + 1) * local_replicas])
+    return _tree.unflatten(
+        spec, [t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves]
+    )
+
+
+def global_layout(local: int) -> tuple[int, int, list[int]]:
+    """(offset of this process's first replica, global replica count, every process's count)."""
+    counts = replica_counts(local)
+    return sum(counts[: rank()]), sum(counts), counts

@@ -1,0 +1,133 @@
+"""Rank bodies for tests/test_distributed.py (module level, so that spawned processes import them)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fdp
+from fdp import optim
+
+
+def start(rank: int, world: int, folder: str, timeout: float = 30.0) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(folder) / "store"), world)
+    fdp.distributed.initialize(backend="gloo", rank=rank, world_size=world, store=store, timeout=timeout)
+
+
+def report(folder: str, rank: int, result: dict) -> None:
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def collectives(rank: int, world: int, folder: str) -> None:
+    """2 ranks x 2 CPU replicas: every collective spans the 4 replicas."""
+    start(rank, world, folder)
+    try:
+        x = torch.arange(8.0).reshape(8, 1) + 1  # the same global batch on every rank
+        shard = fdp.distributed.shard_batch(x, local_replicas=2)
+        f = lambda g: fdp.pmap(g, axis_name="i", devices=["cpu", "cpu"], split="balanced")  # noqa: E731
+        out = {
+            "shard": shard.flatten().tolist(),
+            "index_size": f(lambda x: torch.tensor([[fdp.axis_index("i"), fdp.axis_size("i")]]))(
+                shard
+            ).tolist(),
+            "psum": f(lambda x: fdp.psum(x.sum(), "i"))(shard).tolist(),
+            "pmean": f(lambda x: fdp.pmean(x.mean(), "i", weight=x.shape[0]))(shard).tolist(),
+            "pmax": f(lambda x: fdp.pmax(x.max(), "i"))(shard).tolist(),
+            "all_gather": f(lambda x: fdp.all_gather(x.sum(), "i")[None])(shard).tolist(),
+            "ppermute": f(lambda x: fdp.ppermute(x[:1], "i", [(j, (j + 1) % 4) for j in range(4)]))(
+                shard
+            ).tolist(),
+        }
+        # Outer backward through a collective: the full batch's gradient.
+        w = torch.tensor(2.0, requires_grad=True)
+        total = fdp.pmap(
+            lambda x, w: fdp.psum((x * w).square().sum(), "i"),
+            axis_name="i",
+            in_axes=(0, None),
+            devices=["cpu", "cpu"],
+            split="balanced",
+            out_axes=None,
+        )(shard, w)
+        total.backward()
+        out["outer_grad"] = float(w.grad)
+        # torch.func.grad inside the replicas: psum's transpose spans the processes too.
+        inner = f(lambda x: torch.func.grad(lambda x: fdp.psum(x.square().sum(), "i"))(x))(shard)
+        out["inner_grad"] = inner.flatten().tolist()
+        report(folder, rank, out)
+    finally:
+        fdp.distributed.shutdown()
+
+
+def ddp_parity(rank: int, world: int, folder: str) -> None:
+    """20 SGD steps: DDP and fdp (one replica per rank) on the same model, data and global batch."""
+    start(rank, world, folder)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        opt = optim.sgd(0.1, momentum=0.9)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, ["cpu"])
+
+        @fdp.pmap(axis_name="b", devices=["cpu"], out_axes=fdp.PER_REPLICA)
+        def step(state, x, y):
+            grads = torch.func.grad(lambda p: F.cross_entropy(fdp.functional_call(model, p, (x,)), y))(
+                state["params"]
+            )
+            grads = fdp.pmean(grads, "b", weight=x.shape[0])
+            updates, opt_state = opt.update(grads, state["opt"], state["params"])
+            return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
+
+        g = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+            xs, ys = fdp.distributed.shard_batch((x, y))
+            ddp_opt.zero_grad()
+            F.cross_entropy(ddp(xs), ys).backward()
+            ddp_opt.step()
+            state = step(state, xs, ys)
+        ours = fdp.unreplicate(state)["params"]
+        theirs = dict(ddp.module.named_parameters())
+        report(folder, rank, {"max_diff": max(float((ours[k] - theirs[k]).abs().max()) for k in ours)})
+    finally:
+        fdp.distributed.shutdown()
+
+
+def failing_rank(rank: int, world: int, folder: str) -> None:
+    """Rank 1 raises before a psum that rank 0 is already waiting in."""
+    start(rank, world, folder, timeout=60.0)
+
+    def f(x):
+        if fdp.distributed.rank() == 1:
+            raise ValueError("rank 1 broke before the psum")
+        return fdp.psum(x, "i")
+
+    import time
+
+    began = time.monotonic()
+    try:
+        fdp.pmap(f, axis_name="i", devices=["cpu"])(torch.ones(2))
+    except BaseException as error:  # noqa: BLE001
+        report(
+            folder,
+            rank,
+            {
+                "error": type(error).__name__,
+                "message": str(error),
+                "seconds": time.monotonic() - began,
+                "trace": traceback.format_exc(),
+            },
+        )
+        if rank == 1:
+            raise
+    finally:
+        fdp.distributed.shutdown()

@@ -1,0 +1,104 @@
+"""fdp.distributed: 2 ranks with gloo on loopback, each run bounded by a timeout.
+
+Marked ``distributed`` (each spawn costs seconds): ``pytest -m "not distributed"`` skips them
+in a quick local run; CI runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import distributed_workers
+import pytest
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spawn(
+    worker, tmp_path: Path, world: int = 2, timeout: float = 120.0
+) -> tuple[list[dict], list[int | None]]:
+    """Runs ``worker(rank, world, folder)`` in ``world`` processes; kills them after ``timeout``."""
+    context = mp.start_processes(
+        worker, args=(world, str(tmp_path)), nprocs=world, join=False, start_method="spawn"
+    )
+    import time
+
+    deadline = time.monotonic() + timeout
+    for process in context.processes:
+        process.join(max(0.1, deadline - time.monotonic()))
+    alive = [p for p in context.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} rank(s) still running after {timeout} s: a hang"
+    results = []
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    return results, [p.exitcode for p in context.processes]
+
+
+def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.collectives, tmp_path)
+    assert codes == [0, 0], results
+    rank0, rank1 = results
+    assert rank0["shard"] == [1.0, 2.0, 3.0, 4.0] and rank1["shard"] == [5.0, 6.0, 7.0, 8.0]
+    assert rank0["index_size"] == [[0, 4], [1, 4]] and rank1["index_size"] == [[2, 4], [3, 4]]
+    for r in results:
+        assert r["psum"] == [36.0, 36.0]
+        assert r["pmean"] == [4.5, 4.5]
+        assert r["pmax"] == [8.0, 8.0]
+        assert r["all_gather"] == [[3.0, 7.0, 11.0, 15.0]] * 2
+    # Each rank's backward() differentiates the sum of every rank's output (psum's transpose sums
+    # all cotangents) with respect to its own inputs: 2 ranks x its own rows' 2 * 2 * x^2.
+    assert rank0["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(1, 5)))
+    assert rank1["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(5, 9)))
+    assert rank0["ppermute"] == [[7.0], [1.0]] and rank1["ppermute"] == [[3.0], [5.0]]
+    assert rank0["inner_grad"] == [4 * 2 * v for v in (1.0, 2, 3, 4)]  # psum's transpose: 4 replicas
+
+
+def test_numerically_identical_to_ddp(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.ddp_parity, tmp_path)
+    assert codes == [0, 0], results
+    assert all(r["max_diff"] <= 1e-6 for r in results), results
+
+
+def test_a_failing_rank_makes_the_others_fail_fast_naming_it(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.failing_rank, tmp_path)
+    assert codes[1] != 0 and results[1]["error"] == "ValueError"
+    rank0 = results[0]
+    assert rank0["error"] == "RankFailed", rank0
+    assert "rank 1 failed" in rank0["message"] and "rank 1 broke before the psum" in rank0["message"]
+    assert rank0["seconds"] < 30  # well within the process group's 60 s timeout
+
+
+def run_train(*command: str) -> str:
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_train_example_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+    common = ("--steps", "30", "--batch-size", "48", "--eval-every", "15")
+    single = run_train(sys.executable, "examples/train.py", *common, "--checkpoint", str(tmp_path / "a.pt"))
+    launched = run_train(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "examples/train.py",
+        *common,
+        "--checkpoint",
+        str(tmp_path / "b.pt"),
+    )
+    numbers = [[float(v) for v in re.findall(r"=(-?\d+\.\d+)", line)] for line in (single, launched)]
+    assert single.split()[1] == launched.split()[1] == "step=30"
+    for a, b in zip(*numbers):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5), (single, launched)
