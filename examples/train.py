@@ -159,6 +159,8 @@ def save_checkpoint(
         "opt": [v.cpu() if isinstance(v, torch.Tensor) else v for v in optree.tree_leaves(single["opt"])],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(path.name + ".*.tmp"):
+        stale.unlink()  # left by a writer that was killed mid-write; the checkpoint itself is whole
     with tempfile.NamedTemporaryFile(
         dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False
     ) as f:

@@ -30,27 +30,29 @@ BROADCAST: Final = _Broadcast()
 """The per-leaf axis of a value that every replica gets whole (``None`` in a specification)."""
 
 
-def _check_leaf(value: Any, path: str) -> Any:
+def _check_leaf(value: Any, path: str, per_replica: bool) -> Any:
     if value is None:
         return BROADCAST
-    if value is _state.PER_REPLICA:
+    if value is _state.PER_REPLICA and per_replica:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{path} must be an int or None, got {type(value).__name__}: {value!r}")
+        allowed = "an int, None or fdp.PER_REPLICA" if per_replica else "an int or None"
+        raise TypeError(f"{path} must be {allowed}, got {type(value).__name__}: {value!r}")
     return value
 
 
-def check_spec(spec: Any, *, what: str, list_as_tuple: bool = False) -> Any:
+def check_spec(spec: Any, *, what: str, list_as_tuple: bool = False, per_replica: bool = False) -> Any:
     """Validates a specification once, when the transform is built; ``None`` becomes BROADCAST.
 
     With ``list_as_tuple`` (for ``in_axes``), a top-level list is read as a tuple, the usual
-    spelling for positional arguments.
+    spelling for positional arguments; ``per_replica`` (for ``out_axes``) allows
+    ``fdp.PER_REPLICA`` leaves.
     """
     if list_as_tuple and isinstance(spec, list):
         spec = tuple(spec)
     _tree.flatten(spec)  # registers dataclasses used as prefixes, e.g. in_axes=(Batch(0, None),)
     return optree.tree_map_with_accessor(
-        lambda accessor, leaf: _check_leaf(leaf, accessor.codify(what)),
+        lambda accessor, leaf: _check_leaf(leaf, accessor.codify(what), per_replica),
         spec,
         none_is_leaf=True,
         namespace=_tree.NAMESPACE,

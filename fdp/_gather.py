@@ -231,5 +231,5 @@ def gather(
     destination = _devices.check_available(
         _devices.parse_device(device, what=f"{caller} device"), what=f"{caller} device"
     )
-    spec = _axes.check_spec(out_axes, what="out_axes")
+    spec = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
     return gather_outputs(list(trees), destination, spec, caller=caller)

@@ -64,7 +64,7 @@ class Pmapped(Generic[P, R]):
         self._caller = f"fdp.pmap({name or type(fn).__name__})"
         what = self._caller
         self.in_axes = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
-        self.out_axes = _axes.check_spec(out_axes, what="out_axes")
+        self.out_axes = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
         try:
             hash(axis_name)
         except TypeError:

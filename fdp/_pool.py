@@ -72,6 +72,7 @@ class _Worker(threading.Thread):
         self.tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stream: Any = None  # torch.cuda.Stream on CUDA devices
         self.init_error: BaseException | None = None
+        self.busy = False  # running a replica (for idle(): nothing may be left blocked)
         self._ready = threading.Event()
 
     def start_and_wait(self) -> None:
@@ -91,7 +92,11 @@ class _Worker(threading.Thread):
             task = self.tasks.get()
             if task is None:
                 return
-            task()
+            self.busy = True
+            try:
+                task()
+            finally:
+                self.busy = False
             del task  # drop the replica's references before blocking on the queue
 
 
@@ -114,6 +119,16 @@ def _workers_for(devices: Sequence[torch.device]) -> list[_Worker]:
             worker.start_and_wait()
         workers.append(worker)
     return workers
+
+
+def idle() -> bool:
+    """Whether every worker thread is waiting for work (none running or blocked in a replica)."""
+    return all(not w.busy and w.tasks.empty() and w.is_alive() for w in list(_WORKERS.values()))
+
+
+def worker_count() -> int:
+    """How many worker threads have been started in this process."""
+    return len(_WORKERS)
 
 
 def _forget_workers_after_fork() -> None:

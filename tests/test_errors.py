@@ -88,7 +88,7 @@ def test_in_axes_leaves_must_be_ints_or_none(spec: object, match: str) -> None:
 
 
 def test_out_axes_leaves_must_be_ints_or_none() -> None:
-    with pytest.raises(TypeError, match=r"out_axes\['y'\] must be an int or None"):
+    with pytest.raises(TypeError, match=r"out_axes\['y'\] must be an int, None or fdp.PER_REPLICA"):
         fdp.pmap(lambda x: x, out_axes={"y": "0"})
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["fdp", "tests", "examples"]
+SOURCES = ["fdp", "tests", "examples", "benchmarks"]
 
 
 def run_module(module: str, *args: str) -> None:

@@ -141,3 +141,34 @@ def test_gradients_match_one_device(case: tuple[Any, int, int, str]) -> None:
     expected = torch.autograd.grad(loss(f(floats)), inputs, allow_unused=True)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@st.composite
+def mixed_axis_cases(draw: st.DrawFn) -> tuple[tuple[Any, ...], tuple[Any, ...], int, str]:
+    """Positional arguments, each with its own axis: 0, -1 or None (broadcast)."""
+    batch = draw(st.integers(1, 12))
+    axes = tuple(draw(st.lists(st.sampled_from([0, -1, None]), min_size=1, max_size=3)))
+    if all(a is None for a in axes):
+        axes = (0, *axes[1:])
+    args = tuple(draw(trees(batch, a if a is not None else 0)) for a in axes)
+    args = (*args, draw(tensor_leaf(batch, 0)).double())  # one mapped float, to have a batch
+    return args, (*axes, 0), draw(st.integers(1, 8)), draw(st.sampled_from(["chunk", "balanced"]))
+
+
+@PROPERTY_SETTINGS
+@given(mixed_axis_cases())
+def test_per_argument_axes_round_trip(case: tuple[tuple[Any, ...], tuple[Any, ...], int, str]) -> None:
+    args, axes, n, split = case
+    # None out: the replica's own copy of a broadcast argument, which is the argument.
+    out = fdp.pmap(lambda *a: a, in_axes=axes, out_axes=axes, devices=cpus(n), split=split)(*args)
+    assert_same(out, args)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_replicate_gives_every_device_the_tree(case: tuple[Any, int, int, str]) -> None:
+    tree, _, n, _ = case
+    copies = fdp.replicate(tree, cpus(n))
+    assert len(copies) == n
+    for copy in copies:
+        assert_same(copy, tree)

@@ -83,3 +83,29 @@ def test_module_from_eight_threads_with_different_params() -> None:
     got = run_in_threads(lambda i: [f(params[i], x) for _ in range(10)])
     for i in range(THREADS):
         assert all(torch.equal(out, torch.full((6, 4), 4.0 * i)) for out in got[i])
+
+
+def test_collectives_data_parallel_and_resident_state_from_eight_threads() -> None:
+    centre = fdp.pmap(
+        lambda x: x - fdp.pmean(x.mean(0), "i", weight=x.shape[0]), axis_name="i", devices=cpus(3)
+    )
+    model = torch.nn.Linear(4, 2)
+    wrapped = fdp.DataParallel(model, device_ids=cpus(2))
+    state = fdp.device_put_replicated({"w": torch.ones(4)}, cpus(2))
+    step = fdp.pmap(
+        lambda s, x: ({"w": s["w"] + fdp.psum(x.sum(0), "i")}, x @ s["w"]),
+        axis_name="i",
+        devices=cpus(2),
+        out_axes=(fdp.PER_REPLICA, 0),
+    )
+    inputs = [torch.randn(7 + i, 4) for i in range(THREADS)]
+    expected = [(centre(x), wrapped(x), step(state, x)[1]) for x in inputs]
+
+    def work(i: int) -> list[Any]:
+        return [(centre(inputs[i]), wrapped(inputs[i]), step(state, inputs[i])[1]) for _ in range(10)]
+
+    got = run_in_threads(work)
+    for i in range(THREADS):
+        for outputs in got[i]:
+            for a, b in zip(outputs, expected[i]):
+                torch.testing.assert_close(a, b)

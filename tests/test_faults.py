@@ -1,0 +1,164 @@
+"""Fault injection: every failure ends within a bound with the original error, leaves no worker
+thread blocked, and the next call works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import cpus
+
+import fdp
+from fdp import _pool
+
+BOUND = 20.0  # seconds: far above what any of these takes, far below a hang
+
+
+class Injected(Exception):
+    pass
+
+
+def within_bound(call: Callable[[], Any]) -> Any:
+    """Runs ``call`` in a thread; fails the test if it has not returned after BOUND seconds."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as error:  # noqa: BLE001
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(BOUND)
+    assert not thread.is_alive(), f"the call did not end within {BOUND} s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def assert_workers_idle() -> None:
+    deadline = time.monotonic() + 5
+    while not _pool.idle():
+        assert time.monotonic() < deadline, "a worker thread is still busy or blocked"
+        time.sleep(0.01)
+
+
+def injected_at(where: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A replica body that fails on replica 2 of 4, before, inside or after a collective."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        me = fdp.axis_index("i")
+        if where == "before" and me == 2:
+            raise Injected("before the collective")
+        y = fdp.psum({"x": x, "bad": "not a tensor"} if where == "inside" and me == 2 else {"x": x}, "i")["x"]
+        if where == "after" and me == 2:
+            raise Injected("after the collective")
+        if where == "after-second" and me == 2:
+            raise Injected("between two collectives")
+        return fdp.pmean(y, "i")
+
+    return body
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "match"),
+    [
+        ("before", Injected, "before the collective"),
+        ("inside", TypeError, r"fdp.psum takes trees of tensors \(and numbers\), but x\['bad'\]"),
+        ("after", Injected, "after the collective"),
+        ("after-second", Injected, "between two collectives"),
+    ],
+)
+def test_failure_around_a_collective(where: str, error: type, match: str) -> None:
+    f = fdp.pmap(injected_at(where), axis_name="i", devices=cpus(4))
+    with pytest.raises(error, match=match) as info:
+        within_bound(lambda: f(torch.ones(4)))
+    assert any("raised by replica 2 of 4" in note for note in info.value.__notes__)
+    assert_workers_idle()
+    ok = fdp.pmap(lambda x: fdp.pmean(x, "i"), axis_name="i", devices=cpus(4))
+    torch.testing.assert_close(within_bound(lambda: ok(torch.arange(4.0))), torch.full((4,), 1.5))
+
+
+def test_failure_in_a_backward_collective() -> None:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            y = fdp.psum(x, "i")
+            if fdp.axis_index("i") == 1:
+                return (y * torch.ones(3)).sum()  # shape error in the forward of replica 1
+            return y.sum()
+
+        return torch.func.grad(loss)(x)
+
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        within_bound(lambda: fdp.pmap(body, axis_name="i", devices=cpus(2))(torch.ones(2, 2)))
+    assert_workers_idle()
+
+
+def test_slow_replica_with_collectives() -> None:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        if fdp.axis_index("i") == 1:
+            time.sleep(0.5)
+        return fdp.psum(x, "i")
+
+    out = within_bound(lambda: fdp.pmap(body, axis_name="i", devices=cpus(3))(torch.ones(3)))
+    torch.testing.assert_close(out, torch.full((3,), 3.0))
+    assert_workers_idle()
+
+
+def test_keyboard_interrupt_raised_in_a_replica_waiting_others() -> None:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        if fdp.axis_index("i") == 1:
+            raise KeyboardInterrupt
+        return fdp.psum(x, "i")  # replica 0 waits here for replica 1
+
+    with pytest.raises(KeyboardInterrupt):
+        within_bound(lambda: fdp.pmap(body, axis_name="i", devices=cpus(2))(torch.ones(2)))
+    assert_workers_idle()
+
+
+def test_real_interrupt_during_a_long_call_in_a_child_process() -> None:
+    # SIGINT while replicas are busy and waiting in a collective: the caller re-raises
+    # KeyboardInterrupt promptly after releasing them, and the process can call again.
+    script = textwrap.dedent(
+        """
+        import os, signal, threading, time, torch, fdp
+        def body(x):
+            if fdp.axis_index("i") == 1:
+                time.sleep(0.5)
+            return fdp.psum(x, "i")
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        began = time.monotonic()
+        try:
+            fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
+            print("no interrupt")
+        except KeyboardInterrupt:
+            print("interrupted after", round(time.monotonic() - began, 1))
+        out = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
+        from fdp import _pool
+        time.sleep(0.2)
+        print("next", out.tolist(), "idle", _pool.idle())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "interrupted after" in result.stdout or "no interrupt" in result.stdout
+    assert "next [2.0, 2.0] idle True" in result.stdout
+
+
+def test_many_failures_in_a_row_leave_nothing_behind() -> None:
+    f = fdp.pmap(injected_at("before"), axis_name="i", devices=cpus(4))
+    threads = threading.active_count()
+    for _ in range(50):
+        with pytest.raises(Injected):
+            f(torch.ones(4))
+    assert threading.active_count() == threads
+    assert_workers_idle()

@@ -1,0 +1,26 @@
+"""10 000 pmapped calls (plain, module, collective, failing) with no growth in threads, workers,
+caches or memory. The long variant is benchmarks/soak.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_soak():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ten_thousand_calls_grow_nothing() -> None:
+    result = load_soak().soak(10_000)
+    before, after = result["before"], result["after"]
+    for key in ("plans", "split_cache"):  # the soak's own caches: exactly as after warm-up
+        assert after[key] == before[key], (key, before, after)
+    for key in ("threads", "workers", "skeletons", "node_types"):  # process-wide: no growth
+        assert after[key] <= before[key], (key, before, after)
+    assert after["rss_mib"] - before["rss_mib"] < 30, (before, after)
