@@ -92,6 +92,7 @@ def gather_outputs(
             plans[treespec] = plan
 
     columns = list(zip(*(leaves for leaves, _ in flat)))
+    on_cpu = destination.type == "cpu" and all(d.type == "cpu" for d in (devices or ()))
     taken: set[int] | None = None  # storages already used by a PER_REPLICA output, or inputs'
     joined = []
     for k, (values, axis) in enumerate(zip(columns, plan.axes)):
@@ -101,7 +102,11 @@ def gather_outputs(
             own = _own_copies(values, taken)
             joined.append(_state.PerReplica(own, devices or [_device_of(v, destination) for v in own]))
         else:
-            joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
+            joined.append(
+                _join(
+                    values, axis, destination, k, caller=caller, check=check, outputs=outputs, on_cpu=on_cpu
+                )
+            )
     return _tree.unflatten(treespec, joined)
 
 
@@ -129,6 +134,36 @@ def _device_of(value: Any, default: torch.device) -> torch.device:
 
 
 def _join(
+    values: Sequence[Any],
+    axis: Any,
+    destination: torch.device,
+    k: int,
+    *,
+    caller: str,
+    check: bool,
+    outputs: Sequence[Any],
+    on_cpu: bool = False,
+) -> Any:
+    """One output leaf from every replica's value at position ``k``."""
+    first = values[0]
+    if type(axis) is int and isinstance(first, torch.Tensor):
+        # The common case, kept short: tensors of one rank > 0, concatenated.
+        ndim = first.dim()
+        if (
+            ndim
+            and -ndim <= axis < ndim
+            and all(isinstance(v, torch.Tensor) and v.dim() == ndim for v in values)
+        ):
+            try:
+                if on_cpu and first.device.type == "cpu":  # everything on the CPU: cat, or nothing
+                    return first if len(values) == 1 else torch.cat(list(values), axis % ndim)
+                return _transfer.gather_to(values, axis % ndim, destination)
+            except RuntimeError:
+                pass  # reported by _join_checked, with the leaf's path
+    return _join_checked(values, axis, destination, k, caller=caller, check=check, outputs=outputs)
+
+
+def _join_checked(
     values: Sequence[Any],
     axis: Any,
     destination: torch.device,

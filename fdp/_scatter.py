@@ -53,32 +53,34 @@ def scatter_leaves(
     mapped: list[tuple[int, int]] = []  # (leaf index, non-negative axis)
     replicated: list[int] = []
     resident: list[int] = []  # PerReplica leaves: already one value per replica
-    user_axes: dict[int, int] = {}  # the axes as the user wrote them, for messages
     batch: int | None = None
+    tensor = torch.Tensor
+    broadcast = _axes.BROADCAST
     for k, (leaf, axis) in enumerate(zip(leaves, axes)):
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, tensor):
             if isinstance(leaf, _state.PerReplica):
                 resident.append(k)
-            elif axis is not _axes.BROADCAST and (reason := _tree.unsplittable_reason(leaf)):
+            elif axis is not broadcast and (reason := _tree.unsplittable_reason(leaf)):
                 raise TypeError(f"{caller}: {paths()[k]}: {reason}")
             continue
-        if axis is _axes.BROADCAST:
+        if axis is broadcast:
             replicated.append(k)
             continue
-        dim = _axes.normalize_axis(axis, leaf.dim())
-        if dim is None:
+        ndim = leaf.dim()
+        if not -ndim <= axis < ndim:
             raise ValueError(
                 f"{caller} was asked to map {paths()[k]} of type {_tree.describe(leaf)} along "
                 f"axis {axis}, so its rank should be at least "
-                f"{axis + 1 if axis >= 0 else -axis}, but it is only {leaf.dim()}"
+                f"{axis + 1 if axis >= 0 else -axis}, but it is only {ndim}"
             )
+        dim = axis % ndim
         size = leaf.shape[dim]
         if batch is None:
             batch = size
         elif size != batch:
             batch = -1  # sizes disagree: reported below with every leaf
         mapped.append((k, dim))
-        user_axes[k] = axis
+    user_axes = {k: axes[k] for k, _ in mapped}  # as the user wrote them, for messages
 
     if batch is None and resident:
         # Only resident state: one replica per copy, and nothing to split.
@@ -108,8 +110,16 @@ def scatter_leaves(
     run_on = devices[:n]
     rows = [list(leaves) for _ in range(n)]
     _place_resident(leaves, resident, rows, run_on, caller, paths)
+    on_cpu = all(d.type == "cpu" for d in run_on)
     for k, dim in mapped:
-        for r, shard in enumerate(_transfer.split_to(leaves[k], dim, sizes, run_on)):
+        leaf = leaves[k]
+        if on_cpu and leaf.device.type == "cpu":
+            # The common CPU case, inline: one replica keeps the tensor, several get views.
+            if n > 1:
+                for r, shard in enumerate(leaf.split_with_sizes(sizes, dim)):
+                    rows[r][k] = shard
+            continue
+        for r, shard in enumerate(_transfer.split_to(leaf, dim, sizes, run_on)):
             rows[r][k] = shard
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)

@@ -144,9 +144,12 @@ def split_to(
     """Shards of ``tensor`` along ``dim`` with the given sizes, shard ``i`` on ``devices[i]``."""
     if len(sizes) == 1:
         return [to_device(tensor, devices[0])]
-    if _all_cuda(devices) and tensor.device.type in ("cpu", "cuda") and _comm_can_move([tensor]):
+    device = tensor.device
+    if device.type == "cpu" and devices[0].type == "cpu" and all(d.type == "cpu" for d in devices):
+        return list(tensor.split_with_sizes(list(sizes), dim))  # the common CPU case: views
+    if _all_cuda(devices) and device.type in ("cpu", "cuda") and _comm_can_move([tensor]):
         return list(_CudaScatter.apply(list(devices), list(sizes), dim, tensor))
-    return [to_device(shard, d) for shard, d in zip(torch.split(tensor, list(sizes), dim), devices)]
+    return [to_device(shard, d) for shard, d in zip(tensor.split_with_sizes(sizes, dim), devices)]
 
 
 def broadcast(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[list[torch.Tensor]]:
@@ -192,6 +195,8 @@ def gather_to(tensors: Sequence[torch.Tensor], dim: int, destination: torch.devi
     """Concatenates ``tensors`` along ``dim`` on ``destination``."""
     if len(tensors) == 1:
         return to_device(tensors[0], destination)
+    if destination.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+        return torch.cat(list(tensors), dim)  # the common CPU case
     if (
         _all_cuda([t.device for t in tensors])
         and destination.type in ("cpu", "cuda")

@@ -1,0 +1,74 @@
+"""Interleaved timing: every variant is measured in every round, so drift on a shared, noisy
+machine hits all of them alike; the report is the median per variant and ratios to a baseline."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["cpu"], info["logical_cpus"] = names[0], len(names)
+    except (OSError, IndexError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def interleaved(
+    variants: dict[str, Callable[[], Any]],
+    *,
+    calls: int,
+    rounds: int,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Median seconds per call of each variant over ``rounds`` interleaved rounds of ``calls`` calls."""
+    for fn in variants.values():  # warm-up: caches, workers, lazy imports
+        for _ in range(max(3, calls // 10)):
+            fn()
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return "" if value is None else str(value)
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": machine(), **payload}, f, indent=2)

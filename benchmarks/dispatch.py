@@ -1,0 +1,63 @@
+"""Dispatch overhead: a pmapped function against the direct call, on 1, 2 and 4 CPU replicas.
+
+    python benchmarks/dispatch.py [--rounds 15] [--json dispatch.json]
+
+Three inputs: one tensor into a trivial function; nested dicts of 100 and of 1000 tensors. For
+the nested inputs, the reference is the bare per-leaf work any implementation must do on 2
+replicas: ``chunk`` every leaf and ``cat`` the pieces back (on one thread, with no function).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from _harness import interleaved, table, write_json
+
+import fdp
+
+
+def nested(leaves: int) -> dict[str, Any]:
+    return {f"group{g}": {f"leaf{k}": torch.randn(8, 4) for k in range(10)} for g in range(leaves // 10)}
+
+
+def bare_chunk_cat(tree: dict[str, Any]) -> dict[str, Any]:
+    pieces = {g: {k: t.chunk(2) for k, t in d.items()} for g, d in tree.items()}
+    return {g: {k: torch.cat(p) for k, p in d.items()} for g, d in pieces.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    identity = lambda x: x  # noqa: E731
+    rows = []
+    for label, value, calls in [
+        ("1 tensor", torch.randn(64, 16), 400),
+        ("100 leaves", nested(100), 60),
+        ("1000 leaves", nested(1000), 8),
+    ]:
+        variants = {"direct": lambda v=value: identity(v)}
+        for n in (1, 2, 4):
+            mapped = fdp.pmap(identity, devices=["cpu"] * n)
+            variants[f"{n} replicas"] = lambda v=value, m=mapped: m(v)
+        if isinstance(value, dict):
+            variants["bare chunk+cat (2)"] = lambda v=value: bare_chunk_cat(v)
+        times = interleaved(variants, calls=calls, rounds=args.rounds)
+        for name, seconds in times.items():
+            row = {"input": label, "variant": name, "us_per_call": seconds * 1e6}
+            row["over_direct_us"] = (seconds - times["direct"]) * 1e6
+            if "bare chunk+cat (2)" in times and name == "2 replicas":
+                row["ratio_to_bare"] = seconds / times["bare chunk+cat (2)"]
+            rows.append(row)
+    print(table(rows, ["input", "variant", "us_per_call", "over_direct_us", "ratio_to_bare"]))
+    write_json(args.json, {"benchmark": "dispatch", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
