@@ -1,0 +1,139 @@
+"""GPU benchmark: fdp against the plain single-device step and nn.DataParallel, and transfer bandwidth.
+
+    python benchmarks/gpu.py [--rounds 9] [--json gpu.json]
+
+Needs a CUDA device. Step time (ms) for one training step of an MLP and a small transformer on:
+the plain module on ``cuda:0``; ``fdp.pmap`` with resident state and ``fdp.DataParallel`` on
+``["cuda:0"]`` and on two replicas of ``cuda:0``; ``nn.DataParallel`` on ``[0]`` (and on every
+GPU when there are several). Bandwidth (GB/s) of ``fdp.scatter`` and ``fdp.replicate`` against a
+plain device-to-device copy of the same bytes (host-to-device when there is one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _harness import interleaved, table, write_json
+from torch import nn
+
+import fdp
+from fdp import optim
+
+
+def make(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = nn.Sequential(
+            nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 10)
+        )
+        x = torch.randn(512, 1024, device="cuda")
+    else:
+        layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, 4), nn.Flatten(), nn.Linear(512 * 64, 10))
+        x = torch.randn(64, 64, 512, device="cuda")
+    return model.cuda(), x, torch.randint(0, 10, (x.shape[0],), device="cuda")
+
+
+def steps(kind: str) -> dict[str, Any]:
+    model, x, y = make(kind)
+    variants: dict[str, Any] = {}
+
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+
+    def plain_step() -> None:
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+
+    variants["plain cuda:0"] = plain_step
+
+    opt = optim.sgd(0.01)
+    for devices in (["cuda:0"], ["cuda:0", "cuda:0"]):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        @fdp.pmap(axis_name="b", devices=devices, split="balanced", out_axes=fdp.PER_REPLICA)
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+            leaves = {k: v.requires_grad_() for k, v in state["params"].items()}
+            loss = F.cross_entropy(fdp.functional_call(model, leaves, (x,)), y)
+            grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+            grads = fdp.pmean(grads, "b", weight=x.shape[0])
+            updates, opt_state = opt.update(grads, state["opt"], state["params"])
+            return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
+
+        box = {"state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, devices)}
+
+        def resident(step: Any = step, box: dict[str, Any] = box) -> None:
+            box["state"] = step(box["state"], x, y)
+
+        variants[f"fdp resident {devices}"] = resident
+
+        wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=devices)
+        wrapped_opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+
+        def data_parallel(wrapped: nn.Module = wrapped, wrapped_opt: Any = wrapped_opt) -> None:
+            wrapped_opt.zero_grad()
+            F.cross_entropy(wrapped(x), y).backward()
+            wrapped_opt.step()
+
+        variants[f"fdp.DataParallel {devices}"] = data_parallel
+
+    for ids in ([0], list(range(torch.cuda.device_count()))) if torch.cuda.device_count() > 1 else ([0],):
+        legacy = nn.DataParallel(copy.deepcopy(model), device_ids=ids)
+        legacy_opt = torch.optim.SGD(legacy.parameters(), lr=0.01)
+
+        def legacy_step(legacy: nn.Module = legacy, legacy_opt: Any = legacy_opt) -> None:
+            legacy_opt.zero_grad()
+            F.cross_entropy(legacy(x), y).backward()
+            legacy_opt.step()
+
+        variants[f"nn.DataParallel {ids}"] = legacy_step
+    return variants
+
+
+def bandwidth(rounds: int) -> list[dict[str, Any]]:
+    source = torch.randn(64 << 20 >> 2, device="cuda")  # 64 MiB
+    gbytes = source.numel() * 4 / 1e9
+    others = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    devices = others if len(others) > 1 else ["cuda:0", "cuda:0"]
+    pinned = source.cpu().pin_memory()
+    variants = {
+        "plain copy (same bytes)": (lambda: source.to(devices[-1], copy=True))
+        if len(others) > 1
+        else (lambda: pinned.to("cuda:0", non_blocking=True)),
+        "fdp.scatter": lambda: fdp.scatter(source if len(others) > 1 else pinned, devices),
+        "fdp.replicate": lambda: fdp.replicate({"w": source}, devices),
+    }
+    times = interleaved(variants, calls=10, rounds=rounds, sync=torch.cuda.synchronize)
+    return [{"transfer": name, "GB_per_s": gbytes / seconds} for name, seconds in times.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA device")
+    rows = []
+    for kind in ("mlp", "transformer"):
+        times = interleaved(steps(kind), calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
+        base = times["plain cuda:0"]
+        rows += [
+            {"model": kind, "variant": n, "ms_per_step": t * 1e3, "vs_plain": t / base}
+            for n, t in times.items()
+        ]
+    print(table(rows, ["model", "variant", "ms_per_step", "vs_plain"]))
+    transfers = bandwidth(args.rounds)
+    print(table(transfers, ["transfer", "GB_per_s"]))
+    write_json(args.json, {"benchmark": "gpu", "steps": rows, "transfers": transfers})
+
+
+if __name__ == "__main__":
+    main()

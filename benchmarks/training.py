@@ -1,0 +1,215 @@
+"""Training-step throughput (samples/s) on the same model and global batch, measured side by side.
+
+    python benchmarks/training.py [--model mlp|transformer|both] [--rounds 7] [--json training.json]
+
+Variants, interleaved round by round:
+
+* ``single``: one process, the plain module and torch.optim on the whole batch;
+* ``fdp resident (2 cpu)``: fdp.pmap over 2 CPU replicas, state resident on both, gradients by
+  torch.autograd inside each replica, one pmean;
+* ``fdp resident, torch.func (2 cpu)``: the same step with torch.func.grad;
+* ``fdp DataParallel (2 cpu)``: fdp.DataParallel with torch.optim;
+* ``DDP gloo (2 procs)``: DistributedDataParallel in 2 processes (kept alive, driven by pipes).
+
+Every variant gets the machine's cores the same way: one intra-op thread per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from _harness import table, write_json
+from torch import nn
+
+import fdp
+from fdp import optim
+
+BATCH = 64
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+    return nn.Sequential(
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True), 2),
+        nn.Flatten(),
+        nn.Linear(64 * 16, 10),
+    )
+
+
+def make_batch(kind: str, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 256, generator=g) if kind == "mlp" else torch.randn(rows, 16, 64, generator=g)
+    return x, torch.randint(0, 10, (rows,), generator=g)
+
+
+def ddp_worker(rank: int, kind: str, store_path: str, conn: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    model = nn.parallel.DistributedDataParallel(make_model(kind))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_batch(kind)
+    x, y = x.chunk(2)[rank], y.chunk(2)[rank]
+    while True:
+        steps = conn.recv()
+        if steps is None:
+            break
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        dist.barrier()
+        conn.send(time.perf_counter() - start)
+    dist.destroy_process_group()
+
+
+class DDP:
+    """Two DDP processes that run ``steps`` steps whenever asked."""
+
+    def __init__(self, kind: str) -> None:
+        self.folder = tempfile.mkdtemp()
+        context = mp.get_context("spawn")
+        pipes = [context.Pipe() for _ in range(2)]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = [
+            context.Process(
+                target=ddp_worker, args=(r, kind, os.path.join(self.folder, "store"), pipes[r][1])
+            )
+            for r in range(2)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, steps: int) -> float:
+        for c in self.conns:
+            c.send(steps)
+        return max(c.recv() for c in self.conns)
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for p in self.procs:
+            p.join(30)
+
+
+def fdp_variants(kind: str) -> dict[str, Any]:
+    model = make_model(kind)
+    x, y = make_batch(kind)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    opt = optim.sgd(0.01)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fdp.functional_call(model, p, (x,)), y)
+
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+
+    def single() -> None:
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+
+    def autograd_grads(
+        p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        leaves = {k: v.requires_grad_() for k, v in p.items()}  # this replica's own copies
+        return dict(zip(leaves, torch.autograd.grad(loss_fn(leaves, x, y), list(leaves.values()))))
+
+    def make_step(grad_fn: Any) -> Any:
+        @fdp.pmap(axis_name="b", devices=["cpu", "cpu"], split="balanced", out_axes=fdp.PER_REPLICA)
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+            grads = fdp.pmean(grad_fn(state["params"], x, y), "b", weight=x.shape[0])
+            updates, opt_state = opt.update(grads, state["opt"], state["params"])
+            return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
+
+        resident = {
+            "state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, ["cpu", "cpu"])
+        }
+
+        def run() -> None:
+            resident["state"] = step(resident["state"], x, y)
+
+        return run
+
+    wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=["cpu", "cpu"])
+    dp_opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+
+    def data_parallel() -> None:
+        dp_opt.zero_grad()
+        F.cross_entropy(wrapped(x), y).backward()
+        dp_opt.step()
+
+    return {
+        "single": single,
+        "fdp resident (2 cpu)": make_step(autograd_grads),
+        "fdp resident, torch.func (2 cpu)": make_step(torch.func.grad(loss_fn)),
+        "fdp DataParallel (2 cpu)": data_parallel,
+    }
+
+
+def measure(kind: str, rounds: int, steps: int) -> list[dict[str, Any]]:
+    variants = fdp_variants(kind)
+    ddp = DDP(kind)
+    try:
+        ddp.run(3)  # warm-up
+        for fn in variants.values():
+            for _ in range(3):
+                fn()
+        samples: dict[str, list[float]] = {name: [] for name in [*variants, "DDP gloo (2 procs)"]}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                # single: the whole machine's threads for one replica; fdp: one per replica
+                torch.set_num_threads(2 if name == "single" else 1)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                samples[name].append(steps * BATCH / (time.perf_counter() - start))
+            samples["DDP gloo (2 procs)"].append(steps * BATCH / ddp.run(steps))
+    finally:
+        ddp.close()
+    medians = {name: statistics.median(v) for name, v in samples.items()}
+    return [
+        {
+            "model": kind,
+            "variant": name,
+            "samples_per_s": value,
+            "vs_ddp": value / medians["DDP gloo (2 procs)"],
+            "vs_single": value / medians["single"],
+        }
+        for name, value in medians.items()
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["mlp", "transformer", "both"], default="both")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    for kind in ["mlp", "transformer"] if args.model == "both" else [args.model]:
+        rows += measure(kind, args.rounds, args.steps)
+    print(table(rows, ["model", "variant", "samples_per_s", "vs_ddp", "vs_single"]))
+    write_json(args.json, {"benchmark": "training", "batch": BATCH, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
