@@ -92,7 +92,6 @@ def gather_outputs(
             plans[treespec] = plan
 
     columns = list(zip(*(leaves for leaves, _ in flat)))
-    on_cpu = destination.type == "cpu" and all(d.type == "cpu" for d in (devices or ()))
     taken: set[int] | None = None  # storages already used by a PER_REPLICA output, or inputs'
     joined = []
     for k, (values, axis) in enumerate(zip(columns, plan.axes)):
@@ -102,11 +101,7 @@ def gather_outputs(
             own = _own_copies(values, taken)
             joined.append(_state.PerReplica(own, devices or [_device_of(v, destination) for v in own]))
         else:
-            joined.append(
-                _join(
-                    values, axis, destination, k, caller=caller, check=check, outputs=outputs, on_cpu=on_cpu
-                )
-            )
+            joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
     return _tree.unflatten(treespec, joined)
 
 
@@ -142,7 +137,6 @@ def _join(
     caller: str,
     check: bool,
     outputs: Sequence[Any],
-    on_cpu: bool = False,
 ) -> Any:
     """One output leaf from every replica's value at position ``k``."""
     first = values[0]
@@ -155,30 +149,16 @@ def _join(
             and all(isinstance(v, torch.Tensor) and v.dim() == ndim for v in values)
         ):
             try:
-                if on_cpu and first.device.type == "cpu":  # everything on the CPU: cat, or nothing
-                    return first if len(values) == 1 else torch.cat(list(values), axis % ndim)
                 return _transfer.gather_to(values, axis % ndim, destination)
             except RuntimeError:
-                pass  # reported by _join_checked, with the leaf's path
-    return _join_checked(values, axis, destination, k, caller=caller, check=check, outputs=outputs)
+                pass  # reported below, with the leaf's path
 
-
-def _join_checked(
-    values: Sequence[Any],
-    axis: Any,
-    destination: torch.device,
-    k: int,
-    *,
-    caller: str,
-    check: bool,
-    outputs: Sequence[Any],
-) -> Any:
+    # Everything else, checked: non-tensor values, mixes, 0-dim, axis None, errors.
     def path() -> str:
         return _tree.flatten_with_paths(outputs[0], "output")[0][k]
 
     tensors = [isinstance(v, torch.Tensor) for v in values]
     if not any(tensors):
-        first = values[0]
         for r, v in enumerate(values[1:], start=1):
             if not _equal(first, v):
                 raise ValueError(

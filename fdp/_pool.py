@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _distributed, _random, _replica, _thread_state
+from . import _distributed, _random, _replica, _thread_state, _tree
 
 __all__ = ["run_replicas", "ensure_not_in_replica"]
 
@@ -165,8 +165,6 @@ class _CudaSync:
 
     def finish(self, results: list[Any], workers: Sequence[_Worker]) -> None:
         """Orders the caller's streams after the workers' and protects their outputs' memory."""
-        from . import _tree  # local: avoids an import cycle at module load
-
         for i in range(1, len(self.devices)):
             caller_stream = self.caller_streams[i]
             stream = workers[i - 1].stream

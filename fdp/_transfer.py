@@ -144,10 +144,7 @@ def split_to(
     """Shards of ``tensor`` along ``dim`` with the given sizes, shard ``i`` on ``devices[i]``."""
     if len(sizes) == 1:
         return [to_device(tensor, devices[0])]
-    device = tensor.device
-    if device.type == "cpu" and devices[0].type == "cpu" and all(d.type == "cpu" for d in devices):
-        return list(tensor.split_with_sizes(list(sizes), dim))  # the common CPU case: views
-    if _all_cuda(devices) and device.type in ("cpu", "cuda") and _comm_can_move([tensor]):
+    if _all_cuda(devices) and tensor.device.type in ("cpu", "cuda") and _comm_can_move([tensor]):
         return list(_CudaScatter.apply(list(devices), list(sizes), dim, tensor))
     return [to_device(shard, d) for shard, d in zip(tensor.split_with_sizes(sizes, dim), devices)]
 

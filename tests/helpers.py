@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -21,3 +25,23 @@ def assert_trees_close(actual, expected, *, atol: float = 1e-6, rtol: float = 1e
             torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
         else:
             assert a == e
+
+
+def finishes(call: Callable[[], Any], seconds: float = 20.0) -> Any:
+    """Runs ``call`` in a thread and returns (or raises) what it did; fails if it hangs."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as error:  # noqa: BLE001
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the call did not end within {seconds} s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

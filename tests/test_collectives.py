@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import cpus
+from helpers import cpus, finishes
 
 import fdp
 from fdp import _replica
@@ -298,26 +298,6 @@ def test_vmap_inside_replicas() -> None:
 
 
 # --- no deadlock, ever ---------------------------------------------------------------------------
-
-
-def finishes(call: Callable[[], Any], seconds: float = 20.0) -> Any:
-    """Runs ``call`` in a thread; fails the test if it does not return in time."""
-    outcome: list[Any] = []
-
-    def target() -> None:
-        try:
-            outcome.append(("ok", call()))
-        except BaseException as error:  # noqa: BLE001
-            outcome.append(("error", error))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), "the call hung"
-    kind, value = outcome[0]
-    if kind == "error":
-        raise value
-    return value
 
 
 class Boom(Exception):

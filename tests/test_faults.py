@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import cpus
+from helpers import cpus, finishes
 
 import fdp
 from fdp import _pool
@@ -26,23 +26,7 @@ class Injected(Exception):
 
 
 def within_bound(call: Callable[[], Any]) -> Any:
-    """Runs ``call`` in a thread; fails the test if it has not returned after BOUND seconds."""
-    outcome: list[tuple[bool, Any]] = []
-
-    def target() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as error:  # noqa: BLE001
-            outcome.append((False, error))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(BOUND)
-    assert not thread.is_alive(), f"the call did not end within {BOUND} s"
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    return finishes(call, BOUND)
 
 
 def assert_workers_idle() -> None:
