@@ -91,6 +91,7 @@ class Pmapped(Generic[P, R]):
         self.rename_paths: Callable[[str], str] | None = None
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
+        self._timing = _pool.Timing()  # how long replicas run: small ones run inline
         if not self.is_module:
             # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
             functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
@@ -173,6 +174,7 @@ class Pmapped(Generic[P, R]):
             inputs=[[t for t in row if isinstance(t, torch.Tensor)] for row in scattered.leaves]
             if any(d.type == "cuda" for d in scattered.devices)
             else None,
+            timing=self._timing,
         )
         if versions is not None:
             self._check_unmodified(scattered, versions, parts, roots)

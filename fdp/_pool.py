@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -235,6 +236,42 @@ def ensure_not_in_replica(caller: str) -> None:
         )
 
 
+class Timing:
+    """How long replica 0 of one function's recent calls took (an exponential moving average).
+
+    :func:`run_replicas` uses it to run small replicas inline; see there.
+    """
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def record(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else 0.75 * self.seconds + 0.25 * seconds
+
+
+# What waking a worker costs here: from a task's submission to its start, averaged as workers
+# start tasks. The first guess is a typical Linux futex wake-up across cores.
+_wake_seconds = 50e-6
+# Whether small replicas may run inline (benchmarks turn it off to measure the hand-offs).
+INLINE_SMALL_REPLICAS = True
+
+
+def _may_run_inline(devices: Sequence[torch.device]) -> bool:
+    """Whether replicas other than 0 may run in the caller's thread.
+
+    Only on CPU, and only without function or dispatch modes in the caller's thread other than
+    fdp's own rng scopes: a worker does not see those modes, so a replica must not see them
+    depending on which thread happened to run it.
+    """
+    return (
+        all(d.type == "cpu" for d in devices)
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == _random.active_depth()
+    )
+
+
 def run_replicas(
     devices: Sequence[torch.device],
     replicas: Sequence[Callable[[], Any]],
@@ -242,38 +279,64 @@ def run_replicas(
     axis_name: Hashable | None = None,
     caller: str,
     inputs: Sequence[Sequence[torch.Tensor]] | None = None,
+    timing: Timing | None = None,
 ) -> list[Any]:
     """Runs ``replicas[i]()`` as replica ``i`` on ``devices[i]`` and returns their results.
 
     ``inputs[i]`` are the tensors replica ``i`` was given (for CUDA stream bookkeeping).
+
+    Replica 0 runs in the calling thread, the others on workers. Waking a sleeping worker costs
+    tens to hundreds of microseconds, more than a small replica takes, so on CPU the caller
+    runs replicas itself where that is faster and cannot change a result:
+
+    * **Inline**: when ``timing`` says this function's replicas take less than a worker's
+      wake-up, the others are not handed over at first. If replica 0 returns without meeting
+      the others in a collective, no replica may call one (SPMD), so the caller runs them one
+      after another; if it enters a collective, the others go to their workers right then.
+    * **Stealing**: otherwise, once replica 0 returns without having met the others, the caller
+      runs the replicas that no worker has started yet.
+
+    Replicas must therefore not wait for each other except through fdp's collectives.
     """
+    global _wake_seconds
     ensure_not_in_replica(caller)
     n = len(replicas)
     devices = tuple(devices[:n])
-    state = _thread_state.capture()
     rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _replica.CallGroup(n, devices)
     if axis_name is not None and _distributed.is_initialized():
         # The axis spans every process: one exchange of replica counts places this one's.
         group.offset, group.global_size, group.counts = _distributed.global_layout(n)
         group.distributed = True
+    if n == 1:
+        return [_run_alone(replicas[0], axis_name, devices[0], group, rng_seed, caller, timing)]
+    state = _thread_state.capture()
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     latch = _Latch(n - 1)
     cuda_sync = _CudaSync(devices) if any(d.type == "cuda" for d in devices) else None
     workers: list[_Worker] = []
+    # Whoever acquires replica i's claim runs it: its worker, or the caller.
+    claims = [threading.Lock() for _ in range(n)]
+    submitted_at: list[float] = []
 
-    def make_task(i: int) -> Callable[[], None]:
+    def make_task(i: int) -> Callable[..., None]:
         context = _replica.ReplicaContext(axis_name, i, n, devices[i], group)
 
-        def task() -> None:
-            worker = workers[i - 1] if i > 0 else None
+        def task(*, inline: bool = False) -> None:
+            global _wake_seconds
+            if i > 0 and not inline:
+                if not claims[i].acquire(blocking=False):
+                    return  # the caller ran it
+                _wake_seconds = 0.9 * _wake_seconds + 0.1 * (time.perf_counter() - submitted_at[0])
+            worker = workers[i - 1] if i > 0 and not inline else None
             try:
                 if worker is not None and worker.init_error is not None:
                     raise RuntimeError(
                         f"the worker thread for {worker.device} could not start"
                     ) from worker.init_error
-                # Replica 0 runs in the caller's thread, which already has the caller's state.
+                # Replica 0 runs in the caller's thread, which already has the caller's state;
+                # a replica run inline enters it again, in case replica 0 changed it.
                 with (
                     _replica.entered(context),
                     _thread_state.applied(state) if i > 0 else _NULL_CONTEXT,
@@ -295,21 +358,52 @@ def run_replicas(
         return task
 
     tasks = [make_task(i) for i in range(n)]
-    try:
+
+    def submit() -> None:
         with _SUBMIT_LOCK:
-            workers.extend(_workers_for(devices))
+            found = _workers_for(devices)
+            workers.extend(found)
+            submitted_at.append(time.perf_counter())
             for i in range(1, n):
                 workers[i - 1].tasks.put(tasks[i])
-    except BaseException as error:
-        # Nothing runs replica 0 now: release whatever was queued, which would wait for it.
-        group.abort(0, error)
-        group.finish(0)
-        raise
+
+    inline_ok = _may_run_inline(devices)
+    small = (
+        INLINE_SMALL_REPLICAS
+        and timing is not None
+        and timing.seconds is not None
+        and timing.seconds * (n - 1) < _wake_seconds
+    )
+    if inline_ok and small:
+        group.before_wait = submit  # replica 0 entered a collective: the others must run now
+    else:
+        try:
+            submit()
+        except BaseException as error:
+            # Nothing runs replica 0 now: release whatever was queued, which would wait for it.
+            group.abort(0, error)
+            group.finish(0)
+            raise
     try:
+        start = time.perf_counter()
         tasks[0]()
+        if timing is not None:
+            timing.record(time.perf_counter() - start)
+        # Not handed over (inline, or the hand-over failed): nobody else will run them.
+        take_all = not submitted_at
+        if take_all or (inline_ok and group.exchanges(0) == 0):
+            group.before_wait = None
+            for i in range(1, n):
+                if claims[i].acquire(blocking=False):
+                    tasks[i](inline=True)
         latch.wait()
     except BaseException as interrupt:  # KeyboardInterrupt while waiting
         group.abort(0, interrupt)
+        if not submitted_at:  # the others were never handed over: they will not run
+            for i in range(1, n):
+                if claims[i].acquire(blocking=False):
+                    group.finish(i)
+                    latch.count_down()
         latch.wait()
         for i, failure in enumerate(errors):
             if (
@@ -333,3 +427,31 @@ def run_replicas(
             _distributed.record_failure(failure)  # other processes stop waiting for this one
         raise failure
     return results
+
+
+def _run_alone(
+    replica: Callable[[], Any],
+    axis_name: Hashable | None,
+    device: torch.device,
+    group: _replica.CallGroup,
+    rng_seed: int | None,
+    caller: str,
+    timing: Timing | None,
+) -> Any:
+    """One replica: in the caller's thread, with nothing to hand over or wait for."""
+    context = _replica.ReplicaContext(axis_name, 0, 1, device, group)
+    try:
+        with _replica.entered(context), _random.replica_scope(rng_seed, 0):
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    return replica()
+            return replica()
+    except BaseException as error:
+        group.abort(0, error)
+        failure = _primary_error([error], (device,), caller)
+        if group.distributed:
+            _distributed.record_failure(failure)
+        raise
+    finally:
+        group.finish(0)
+        group.done = True

@@ -207,6 +207,11 @@ def active_seed() -> int | None:
     return _ACTIVE.modes[-1].seed if _ACTIVE.modes else None
 
 
+def active_depth() -> int:
+    """How many :func:`rng_scope` modes are on this thread's dispatch mode stack."""
+    return len(_ACTIVE.modes)
+
+
 @contextlib.contextmanager
 def _entered(mode: _RngMode) -> Iterator[None]:
     _ACTIVE.modes.append(mode)

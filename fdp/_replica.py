@@ -71,6 +71,13 @@ class CallGroup:
         self.counts: list[int] = [size]
         self._rounds: dict[int, _Round] = {}
         self._next = [0] * size
+        # Set while the other replicas have not been handed to their workers (the pool runs
+        # small replicas inline): the first replica to enter an exchange hands them over.
+        self.before_wait: Callable[[], None] | None = None
+
+    def exchanges(self, index: int) -> int:
+        """How many exchanges replica ``index`` has entered so far."""
+        return self._next[index]
 
     def abort(self, index: int, error: BaseException) -> None:
         """Records the first failure and releases the replicas waiting in an exchange."""
@@ -100,6 +107,10 @@ class CallGroup:
         replica to arrive runs ``combine`` once for all of them. The round number identifies
         the exchange, e.g. so that backward exchanges can name the forward one they transpose.
         """
+        hand_over = self.before_wait
+        if hand_over is not None:
+            self.before_wait = None
+            hand_over()
         with self.cond:
             number = self._next[index]
             self._next[index] += 1

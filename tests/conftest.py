@@ -32,5 +32,13 @@ def _seed() -> None:
 
 
 @pytest.fixture
+def on_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas other than 0 run on their workers: the caller never runs them inline."""
+    from fdp import _pool
+
+    monkeypatch.setattr(_pool, "_may_run_inline", lambda devices: False)
+
+
+@pytest.fixture
 def thread_count() -> int:
     return threading.active_count()

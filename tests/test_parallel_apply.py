@@ -29,10 +29,13 @@ def test_one_function_kwargs_and_inferred_devices() -> None:
 def test_runs_in_parallel_threads_with_caller_grad_mode() -> None:
     seen: list[tuple[str, bool]] = []
     lock = threading.Lock()
+    # Replicas that wait for each other: the caller cannot run them one after another.
+    together = threading.Barrier(3, timeout=30)
 
     def f(x):
         with lock:
             seen.append((threading.current_thread().name, torch.is_grad_enabled()))
+        together.wait()
         return x
 
     with torch.no_grad():

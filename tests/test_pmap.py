@@ -147,6 +147,7 @@ def test_bad_split_rule() -> None:
         fdp.pmap(lambda x: x, split="even")  # type: ignore[call-overload]
 
 
+@pytest.mark.usefixtures("on_workers")
 def test_replicas_run_only_as_many_as_shards() -> None:
     seen: list[tuple[int, str]] = []
     lock = threading.Lock()

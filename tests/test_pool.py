@@ -32,6 +32,7 @@ def test_workers_are_shared_between_functions_and_device_lists() -> None:
     assert threading.active_count() == count
 
 
+@pytest.mark.usefixtures("on_workers")
 def test_worker_that_cannot_start_fails_its_replicas_instead_of_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -97,3 +98,146 @@ def test_interrupt_while_waiting_keeps_the_other_replicas_errors() -> None:
     assert "replica 1 (device cpu)" in result.stdout
     assert "ValueError: worker failed too" in result.stdout
     assert "next call: [1.0, 1.0]" in result.stdout
+
+
+# --- small replicas run inline ----------------------------------------------------------------
+
+
+def _thread_names(devices: list[str], calls: int = 3):
+    names: list[list[str]] = []
+
+    def f(x):
+        names[-1].append(threading.current_thread().name)
+        return x
+
+    mapped = fdp.pmap(f, devices=devices)
+    for _ in range(calls):
+        names.append([])
+        torch.testing.assert_close(mapped(torch.arange(6.0)), torch.arange(6.0))
+    return names
+
+
+def test_small_replicas_run_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)  # any replica is "small"
+    names = _thread_names(cpus(3))
+    assert names[-1] == [threading.current_thread().name] * 3
+
+
+def test_inline_running_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    monkeypatch.setattr(_pool, "INLINE_SMALL_REPLICAS", False)
+    monkeypatch.setattr(_pool, "_may_run_inline", lambda devices: False)
+    names = _thread_names(cpus(3))
+    assert len(set(names[-1])) == 3
+
+
+def test_large_replicas_still_run_in_parallel() -> None:
+    # Replicas that wait for one another can only finish if they run at the same time.
+    together = threading.Barrier(3, timeout=30)
+
+    def f(x):
+        together.wait()
+        return x + 1
+
+    mapped = fdp.pmap(f, devices=cpus(3))
+    for _ in range(3):
+        torch.testing.assert_close(mapped(torch.zeros(3)), torch.ones(3))
+
+
+def test_inline_replicas_hand_over_at_their_first_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    threads: set[str] = set()
+
+    def f(x):
+        threads.add(threading.current_thread().name)
+        return fdp.psum(x, "i") + fdp.axis_index("i")
+
+    mapped = fdp.pmap(f, axis_name="i", devices=cpus(4))
+    for _ in range(4):
+        threads.clear()
+        torch.testing.assert_close(mapped(torch.ones(4)), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert len(threads) == 4  # the collective needs them all at once
+
+
+def test_collective_skipped_by_replica_0_fails_instead_of_hanging_inline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+
+    def f(x):
+        return x if fdp.axis_index("i") == 0 else fdp.psum(x, "i")
+
+    mapped = fdp.pmap(lambda x: x, axis_name="i", devices=cpus(3))
+    mapped(torch.ones(3))  # records a small replica time
+    mapped.fn = f
+    with pytest.raises(RuntimeError, match="replica 0 returned without calling fdp.psum"):
+        mapped(torch.ones(3))
+
+
+def test_inline_replicas_get_the_callers_state_even_if_replica_0_changed_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    seen: list[bool] = []
+
+    def f(x):
+        seen.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)  # not restored: must not leak into the next replica
+        return x
+
+    mapped = fdp.pmap(f, devices=cpus(3))
+    for _ in range(2):
+        seen.clear()
+        mapped(torch.ones(3))
+        torch.set_grad_enabled(True)
+        assert seen == [True, True, True]
+
+
+def test_failing_inline_replica_reports_like_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    fail = [False]
+
+    def f(x):
+        if fail[0] and fdp.axis_index("i") == 1:
+            raise KeyError("replica 1")
+        return x
+
+    mapped = fdp.pmap(f, axis_name="i", devices=cpus(3))
+    mapped(torch.ones(3))
+    fail[0] = True
+    with pytest.raises(KeyError) as info:
+        mapped(torch.ones(3))
+    assert info.value.__notes__ == [f"{mapped._caller}: raised by replica 1 of 3 (device cpu)"]
+    fail[0] = False
+    torch.testing.assert_close(mapped(torch.ones(3)), torch.ones(3))
+
+
+def test_no_inline_running_under_a_function_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker does not see the caller's modes; which thread runs a replica must not matter.
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    modes: list[int] = []
+
+    def f(x):
+        modes.append(torch._C._len_torch_function_stack())
+        return x
+
+    class Passthrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    mapped = fdp.pmap(f, devices=cpus(2))
+    x = torch.ones(2)
+    mapped(x)
+    with Passthrough():
+        for _ in range(3):
+            modes.clear()
+            mapped(x)
+            assert sorted(modes) == [0, 1]  # replica 0 (caller's thread) sees it, replica 1 not
+
+
+def test_replica_times_and_wake_up_estimate_are_recorded() -> None:
+    mapped = fdp.pmap(lambda x: x, devices=cpus(2))
+    assert mapped._timing.seconds is None
+    mapped(torch.ones(2))
+    assert mapped._timing.seconds is not None and mapped._timing.seconds > 0
+    assert _pool._wake_seconds > 0

@@ -10,6 +10,9 @@ from helpers import cpus
 
 import fdp
 
+# What reaches the workers' threads: the caller must not run the replicas inline.
+pytestmark = pytest.mark.usefixtures("on_workers")
+
 
 def observe(devices: list[str]):
     """A pmapped function that records each replica's view of the thread-local state."""
