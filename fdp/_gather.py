@@ -52,11 +52,12 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 class OutputPlan:
     """Per-leaf out axes for one output structure (cached by ``fdp.pmap``)."""
 
-    __slots__ = ("treespec", "axes")
+    __slots__ = ("treespec", "axes", "all_zero")
 
     def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any]) -> None:
         self.treespec = treespec
         self.axes = axes
+        self.all_zero = all(type(a) is int and a == 0 for a in axes)  # allows a shorter gather
 
 
 def gather_outputs(
@@ -91,6 +92,10 @@ def gather_outputs(
         if plans is not None:
             plans[treespec] = plan
 
+    if plan.all_zero and destination.type == "cpu":
+        fast = _cat_all_on_cpu([leaves for leaves, _ in flat])
+        if fast is not None:
+            return _tree.unflatten(treespec, fast)
     columns = list(zip(*(leaves for leaves, _ in flat)))
     taken: set[int] | None = None  # storages already used by a PER_REPLICA output, or inputs'
     joined = []
@@ -103,6 +108,27 @@ def gather_outputs(
         else:
             joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
     return _tree.unflatten(treespec, joined)
+
+
+_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
+    """Every leaf of every replica a CPU tensor, all of one rank > 0, all concatenated along
+    axis 0 on the CPU: join them with one pass per step. None when that does not hold (or a
+    ``cat`` fails); the general path then handles the output, errors included."""
+    every = [t for leaves in per_replica for t in leaves]
+    if not every or not _TENSOR_TYPES.issuperset(map(type, every)):
+        return None
+    ranks = {t.dim() for t in every}
+    if len(ranks) != 1 or 0 in ranks or not all([t.is_cpu for t in every]):
+        return None
+    if len(per_replica) == 1:
+        return per_replica[0]
+    try:
+        return [torch.cat(column) for column in zip(*per_replica)]
+    except RuntimeError:
+        return None
 
 
 def _storage(t: torch.Tensor) -> int:

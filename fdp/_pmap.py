@@ -16,7 +16,7 @@ import optree
 import torch
 from torch import nn
 
-from . import _axes, _devices, _functional_call, _gather, _pool, _scatter, _split, _state, _tree
+from . import _axes, _devices, _functional_call, _gather, _pool, _scatter, _split, _tree
 
 __all__ = ["pmap", "Pmapped"]
 
@@ -27,10 +27,11 @@ R = TypeVar("R")
 class _Plan:
     """What one input structure needs: the axis of every leaf."""
 
-    __slots__ = ("axes",)
+    __slots__ = ("axes", "all_zero")
 
     def __init__(self, axes: list[Any]) -> None:
         self.axes = axes
+        self.all_zero = all(type(a) is int and a == 0 for a in axes)  # allows a shorter scatter
 
 
 class Pmapped(Generic[P, R]):
@@ -159,6 +160,7 @@ class Pmapped(Generic[P, R]):
             self.split,
             caller=caller,
             paths=lambda: self._paths(parts, roots),
+            all_zero=plan.all_zero,
         )
         n = len(scattered.devices)
         replicas = [
@@ -186,7 +188,7 @@ class Pmapped(Generic[P, R]):
             check=self.check_unmapped_outputs,
             plans=self._out_plans,
             devices=scattered.devices,
-            inputs=[leaf for leaf in leaves if not isinstance(leaf, _state.PerReplica)],
+            inputs=leaves,
         )
 
     def _paths(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> list[str]:

@@ -25,6 +25,7 @@ other replicas raised. The workers are unaffected and serve the next call.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -142,6 +143,26 @@ def _forget_workers_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
+def _stop_workers() -> None:
+    """At exit: every worker leaves its loop before the interpreter shuts down.
+
+    A worker can still be waking up for a replica that the caller ran itself. A daemon thread
+    that takes the GIL during shutdown is killed on the spot, and if that happens inside C++
+    code the process aborts ("terminate called without an active exception").
+    """
+    with _SUBMIT_LOCK:
+        workers = list(_WORKERS.values())
+        _WORKERS.clear()  # a call made after this (from a later atexit hook) starts new ones
+        for worker in workers:
+            worker.tasks.put(None)
+    deadline = time.monotonic() + 2.0  # a worker stuck in a replica must not block the exit
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_workers)
+
+
 class _CudaSync:
     """Stream ordering and memory safety between the caller and the workers on CUDA devices."""
 
@@ -254,11 +275,11 @@ class Timing:
 # What waking a worker costs here: from a task's submission to its start, averaged as workers
 # start tasks. The first guess is a typical Linux futex wake-up across cores.
 _wake_seconds = 50e-6
-# Whether small replicas may run inline (benchmarks turn it off to measure the hand-offs).
-INLINE_SMALL_REPLICAS = True
+# Whether the caller may run replicas other than 0 (benchmarks turn it off to measure hand-offs).
+INLINE_REPLICAS = True
 
 
-def _may_run_inline(devices: Sequence[torch.device]) -> bool:
+def _may_run_inline(on_cpu: bool) -> bool:
     """Whether replicas other than 0 may run in the caller's thread.
 
     Only on CPU, and only without function or dispatch modes in the caller's thread other than
@@ -266,7 +287,8 @@ def _may_run_inline(devices: Sequence[torch.device]) -> bool:
     depending on which thread happened to run it.
     """
     return (
-        all(d.type == "cpu" for d in devices)
+        INLINE_REPLICAS
+        and on_cpu
         and torch._C._len_torch_function_stack() == 0
         and torch._C._len_torch_dispatch_stack() == _random.active_depth()
     )
@@ -313,8 +335,12 @@ def run_replicas(
     state = _thread_state.capture()
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    latch = _Latch(n - 1)
-    cuda_sync = _CudaSync(devices) if any(d.type == "cuda" for d in devices) else None
+    # The caller waits on a latch for the replicas handed to workers; it is made at the hand-over,
+    # counting the replicas not finished by then (the caller may have run some inline).
+    latch: list[_Latch] = []
+    finished_inline = [0]
+    types = {d.type for d in devices}
+    cuda_sync = _CudaSync(devices) if "cuda" in types else None
     workers: list[_Worker] = []
     # Whoever acquires replica i's claim runs it: its worker, or the caller.
     claims = [threading.Lock() for _ in range(n)]
@@ -353,7 +379,10 @@ def run_replicas(
             finally:
                 group.finish(i)
                 if i > 0:
-                    latch.count_down()
+                    if latch:
+                        latch[0].count_down()
+                    else:
+                        finished_inline[0] += 1
 
         return task
 
@@ -363,17 +392,13 @@ def run_replicas(
         with _SUBMIT_LOCK:
             found = _workers_for(devices)
             workers.extend(found)
+            latch.append(_Latch(n - 1 - finished_inline[0]))
             submitted_at.append(time.perf_counter())
             for i in range(1, n):
                 workers[i - 1].tasks.put(tasks[i])
 
-    inline_ok = _may_run_inline(devices)
-    small = (
-        INLINE_SMALL_REPLICAS
-        and timing is not None
-        and timing.seconds is not None
-        and timing.seconds * (n - 1) < _wake_seconds
-    )
+    inline_ok = _may_run_inline(types == {"cpu"})
+    small = timing is not None and timing.seconds is not None and timing.seconds * (n - 1) < _wake_seconds
     if inline_ok and small:
         group.before_wait = submit  # replica 0 entered a collective: the others must run now
     else:
@@ -396,15 +421,12 @@ def run_replicas(
             for i in range(1, n):
                 if claims[i].acquire(blocking=False):
                     tasks[i](inline=True)
-        latch.wait()
+        if latch:
+            latch[0].wait()
     except BaseException as interrupt:  # KeyboardInterrupt while waiting
         group.abort(0, interrupt)
-        if not submitted_at:  # the others were never handed over: they will not run
-            for i in range(1, n):
-                if claims[i].acquire(blocking=False):
-                    group.finish(i)
-                    latch.count_down()
-        latch.wait()
+        if latch:
+            latch[0].wait()  # the replicas that never ran were never handed over
         for i, failure in enumerate(errors):
             if (
                 failure is not None

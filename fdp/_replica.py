@@ -12,10 +12,8 @@ wait in makes that exchange fail for them.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -58,7 +56,7 @@ class CallGroup:
     def __init__(self, size: int, devices: Sequence[torch.device]) -> None:
         self.size = size
         self.devices = tuple(devices)
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.Lock())  # never re-entered: a plain lock is cheaper
         self.failed: BaseException | None = None
         self.failed_index: int | None = None
         self.finished = [False] * size
@@ -91,7 +89,8 @@ class CallGroup:
         """Replica ``index`` has returned (or raised)."""
         with self.cond:
             self.finished[index] = True
-            self.cond.notify_all()
+            if self._rounds:  # only replicas inside an exchange wait on the condition
+                self.cond.notify_all()
 
     def exchange(
         self,
@@ -195,13 +194,19 @@ def _describe(what: Hashable) -> str:
     return str(what)
 
 
-@dataclass(frozen=True)
 class ReplicaContext:
-    axis_name: Hashable | None
-    index: int
-    size: int
-    device: torch.device
-    group: CallGroup
+    """Which replica a thread runs (a slotted class: one is built per replica per call)."""
+
+    __slots__ = ("axis_name", "index", "size", "device", "group")
+
+    def __init__(
+        self, axis_name: Hashable | None, index: int, size: int, device: torch.device, group: CallGroup
+    ) -> None:
+        self.axis_name = axis_name
+        self.index = index
+        self.size = size
+        self.device = device
+        self.group = group
 
 
 class _Local(threading.local):
@@ -216,11 +221,17 @@ def current() -> ReplicaContext | None:
     return _LOCAL.context
 
 
-@contextlib.contextmanager
-def entered(context: ReplicaContext) -> Iterator[None]:
-    previous = _LOCAL.context
-    _LOCAL.context = context
-    try:
-        yield
-    finally:
-        _LOCAL.context = previous
+class entered:
+    """Makes ``context`` the current replica's for the block (a class: this is on every call's path)."""
+
+    __slots__ = ("_context", "_previous")
+
+    def __init__(self, context: ReplicaContext) -> None:
+        self._context = context
+
+    def __enter__(self) -> None:
+        self._previous = _LOCAL.context
+        _LOCAL.context = self._context
+
+    def __exit__(self, *exc: object) -> None:
+        _LOCAL.context = self._previous

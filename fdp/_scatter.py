@@ -45,11 +45,17 @@ def scatter_leaves(
     *,
     caller: str,
     paths: Callable[[], list[str]],
+    all_zero: bool = False,
 ) -> Scattered:
     """Splits mapped tensor leaves and replicates the others; one leaf list per replica.
 
     ``paths()`` gives every leaf's key path; it is only called to write an error message.
+    ``all_zero`` says that every axis is 0, which allows a shorter path for all-tensor inputs.
     """
+    if all_zero and leaves:
+        fast = _split_all_on_cpu(leaves, devices, split)
+        if fast is not None:
+            return fast
     mapped: list[tuple[int, int]] = []  # (leaf index, non-negative axis)
     replicated: list[int] = []
     resident: list[int] = []  # PerReplica leaves: already one value per replica
@@ -113,7 +119,7 @@ def scatter_leaves(
     on_cpu = all(d.type == "cpu" for d in run_on)
     for k, dim in mapped:
         leaf = leaves[k]
-        if on_cpu and leaf.device.type == "cpu":
+        if on_cpu and leaf.is_cpu:
             # The common CPU case, inline: one replica keeps the tensor, several get views.
             if n > 1:
                 for r, shard in enumerate(leaf.split_with_sizes(sizes, dim)):
@@ -124,6 +130,33 @@ def scatter_leaves(
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)
     return Scattered(rows, run_on, sizes, shared)
+
+
+_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def _split_all_on_cpu(
+    leaves: Sequence[Any], devices: tuple[torch.device, ...], split: _split.SplitRule
+) -> Scattered | None:
+    """Every leaf a CPU tensor of one batch size along axis 0, every replica on the CPU: split
+    them all with one pass per step, in C where possible. None when that does not hold; the
+    general path then handles the input, errors included."""
+    if not _TENSOR_TYPES.issuperset(map(type, leaves)) or any(d.type != "cpu" for d in devices):
+        return None
+    if not all([t.is_cpu and t.dim() > 0 for t in leaves]):
+        return None
+    batches = {t.shape[0] for t in leaves}
+    if len(batches) != 1:
+        return None
+    (batch,) = batches
+    if batch == 0:
+        return None
+    sizes = _split.shard_sizes(batch, len(devices), split)
+    run_on = devices[: len(sizes)]
+    if len(sizes) == 1:
+        return Scattered([list(leaves)], run_on, sizes, [])
+    rows = [list(row) for row in zip(*[t.split_with_sizes(sizes) for t in leaves])]
+    return Scattered(rows, run_on, sizes, [])
 
 
 def _place_replicated(

@@ -14,9 +14,8 @@ shared between threads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,8 +28,7 @@ _AUTOCAST_DEVICE_TYPES = tuple(
 )
 
 
-@dataclass(frozen=True)
-class ThreadState:
+class ThreadState(NamedTuple):  # immutable, and cheap to build on every call
     grad_enabled: bool
     inference_mode: bool
     # (device_type, dtype) for every device type whose autocast is enabled.
@@ -50,15 +48,31 @@ def capture() -> ThreadState:
         grad_enabled=torch.is_grad_enabled(),
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=autocast,
-        autocast_cache=torch.is_autocast_cache_enabled(),
+        autocast_cache=torch.is_autocast_cache_enabled() if autocast else True,
         saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),  # type: ignore[attr-defined]
     )
 
 
-@contextlib.contextmanager
-def applied(state: ThreadState) -> Iterator[None]:
-    """Enters ``state`` in the current thread for the duration of the block."""
-    with contextlib.ExitStack() as stack:
+class applied:
+    """Enters ``state`` in the current thread for the duration of the block.
+
+    A class with a short path for the usual state (grad mode only, no autocast, inference mode
+    or hooks): this runs for every replica of every call.
+    """
+
+    __slots__ = ("_state", "_stack", "_grad")
+
+    def __init__(self, state: ThreadState) -> None:
+        self._state = state
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        state = self._state
+        self._grad = torch.is_grad_enabled()
+        if not (state.inference_mode or state.autocast or state.saved_tensors_hooks is not None):
+            torch._C._set_grad_enabled(state.grad_enabled)
+            return
+        stack = self._stack = contextlib.ExitStack()
         if state.inference_mode:
             stack.enter_context(torch.inference_mode(True))
         stack.enter_context(torch.set_grad_enabled(state.grad_enabled))
@@ -66,4 +80,9 @@ def applied(state: ThreadState) -> Iterator[None]:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=state.autocast_cache))
         if state.saved_tensors_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*state.saved_tensors_hooks))
-        yield
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        else:
+            torch._C._set_grad_enabled(self._grad)

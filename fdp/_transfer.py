@@ -192,7 +192,7 @@ def gather_to(tensors: Sequence[torch.Tensor], dim: int, destination: torch.devi
     """Concatenates ``tensors`` along ``dim`` on ``destination``."""
     if len(tensors) == 1:
         return to_device(tensors[0], destination)
-    if destination.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+    if destination.type == "cpu" and all(t.is_cpu for t in tensors):
         return torch.cat(list(tensors), dim)  # the common CPU case
     if (
         _all_cuda([t.device for t in tensors])

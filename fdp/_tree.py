@@ -208,6 +208,8 @@ def unsplittable_reason(leaf: Any) -> str | None:
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` in the fdp namespace, registering plain dataclasses on first sight."""
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    if _LEAF_TYPES.issuperset(map(type, leaves)):
+        return leaves, spec  # the usual case: tensors and plain values, nothing to register
     # A newly registered dataclass may hold further dataclasses: flatten until none is left.
     while _register_new_node_types(leaves):
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)

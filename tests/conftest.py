@@ -36,7 +36,7 @@ def on_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Replicas other than 0 run on their workers: the caller never runs them inline."""
     from fdp import _pool
 
-    monkeypatch.setattr(_pool, "_may_run_inline", lambda devices: False)
+    monkeypatch.setattr(_pool, "INLINE_REPLICAS", False)
 
 
 @pytest.fixture

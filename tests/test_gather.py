@@ -55,3 +55,31 @@ def test_gather_errors() -> None:
         fdp.gather([torch.ones(1, 2), torch.ones(1, 3)], "cpu")
     with pytest.raises(ValueError, match="at least one tree"):
         fdp.gather([], "cpu")
+
+
+# --- the all-tensor CPU path gives what the general path gives ----------------------------------
+
+
+def test_empty_1d_piece_is_not_silently_dropped_by_cat() -> None:
+    # torch.cat skips 1-d empty tensors next to others of any rank; a replica's rank must match.
+    with pytest.raises(ValueError, match="cannot concatenate"):
+        fdp.gather([{"y": torch.zeros(0)}, {"y": torch.ones(2, 3)}], "cpu")
+
+
+def test_scalars_and_mixed_leaves_take_the_general_path() -> None:
+    out = fdp.gather(
+        [
+            {"loss": torch.tensor(1.0), "y": torch.ones(1, 2)},
+            {"loss": torch.tensor(2.0), "y": torch.zeros(2, 2)},
+        ],
+        "cpu",
+    )
+    assert out["loss"].tolist() == [1.0, 2.0] and out["y"].shape == (3, 2)
+
+
+def test_all_tensor_outputs_keep_gradients_and_parameters() -> None:
+    w = torch.nn.Parameter(torch.ones(4, 2))
+    pieces = fdp.scatter({"w": w}, ["cpu", "cpu"])
+    joined = fdp.gather([{"w": p["w"] * 2} for p in pieces], "cpu")
+    joined["w"].sum().backward()
+    assert torch.equal(w.grad, torch.full((4, 2), 2.0))

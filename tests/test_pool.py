@@ -76,6 +76,8 @@ def test_interrupt_while_waiting_keeps_the_other_replicas_errors() -> None:
         """
         import _thread, threading, time, torch, fdp
 
+        fdp._pool.INLINE_REPLICAS = False  # replica 1 runs on its worker
+
         def f(x):
             if x[0] > 0:                 # replica 1, on a worker
                 _thread.interrupt_main()  # the caller is waiting for this replica
@@ -125,8 +127,7 @@ def test_small_replicas_run_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_inline_running_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
-    monkeypatch.setattr(_pool, "INLINE_SMALL_REPLICAS", False)
-    monkeypatch.setattr(_pool, "_may_run_inline", lambda devices: False)
+    monkeypatch.setattr(_pool, "INLINE_REPLICAS", False)
     names = _thread_names(cpus(3))
     assert len(set(names[-1])) == 3
 
@@ -241,3 +242,24 @@ def test_replica_times_and_wake_up_estimate_are_recorded() -> None:
     mapped(torch.ones(2))
     assert mapped._timing.seconds is not None and mapped._timing.seconds > 0
     assert _pool._wake_seconds > 0
+
+
+def test_workers_are_stopped_at_exit_and_restart_if_needed() -> None:
+    # A worker still waking up for a replica the caller ran itself could otherwise drop the last
+    # reference to a tensor during interpreter shutdown, inside C++ code that then aborts.
+    script = textwrap.dedent(
+        """
+        import atexit, torch, fdp
+        from fdp import _pool
+        step = fdp.pmap(lambda x: x + 1, devices=["cpu"] * 4, split="balanced")
+        step(torch.zeros(4))
+        workers = list(_pool._WORKERS.values())
+        assert len(workers) == 3
+        _pool._stop_workers()
+        assert not any(w.is_alive() for w in workers) and not _pool._WORKERS
+        assert step(torch.zeros(4)).tolist() == [1.0] * 4  # e.g. from a later atexit hook
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
