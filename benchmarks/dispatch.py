@@ -5,17 +5,25 @@
 Three inputs: one tensor into a trivial function; nested dicts of 100 and of 1000 tensors. For
 the nested inputs, the reference is the bare per-leaf work any implementation must do on 2
 replicas: ``chunk`` every leaf and ``cat`` the pieces back (on one thread, with no function).
+For the one tensor, two more rows: 2 replicas with the caller never running replicas itself
+(every replica but the first handed to a worker thread, the cost of the hand-offs), and the
+start and join of one thread, which ``nn.DataParallel`` pays per extra replica per call.
+
+Last, a training step of about 1 ms (forward and ``torch.autograd.grad`` of a small MLP) called
+directly and pmapped on one CPU replica.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 from typing import Any
 
 import torch
 from _harness import interleaved, table, write_json
 
 import fdp
+from fdp import _pool
 
 
 def nested(leaves: int) -> dict[str, Any]:
@@ -25,6 +33,51 @@ def nested(leaves: int) -> dict[str, Any]:
 def bare_chunk_cat(tree: dict[str, Any]) -> dict[str, Any]:
     pieces = {g: {k: t.chunk(2) for k, t in d.items()} for g, d in tree.items()}
     return {g: {k: torch.cat(p) for k, p in d.items()} for g, d in pieces.items()}
+
+
+def on_workers(mapped: Any, value: Any) -> Any:
+    """A call in which every replica but the first runs on its worker thread."""
+    _pool.INLINE_REPLICAS = False
+    try:
+        return mapped(value)
+    finally:
+        _pool.INLINE_REPLICAS = True
+
+
+def thread_start_join(fn: Any, value: Any) -> None:
+    thread = threading.Thread(target=fn, args=(value,))
+    thread.start()
+    thread.join()
+
+
+def training_step_rows(rounds: int) -> list[dict[str, Any]]:
+    """A ~1 ms step (MLP 320-320-320-10, batch 64, forward + gradients), direct and on 1 replica."""
+    width = 320
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    )
+    params = list(model.parameters())
+    x = torch.randn(64, width)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(model(x).square().mean(), params)
+
+    mapped = fdp.pmap(step, devices=["cpu"], out_axes=None)
+    times = interleaved({"direct": lambda: step(x), "1 replicas": lambda: mapped(x)}, calls=20, rounds=rounds)
+    return [
+        {
+            "input": "~1 ms step",
+            "variant": name,
+            "us_per_call": seconds * 1e6,
+            "over_direct_us": (seconds - times["direct"]) * 1e6,
+            "ratio_to_direct": seconds / times["direct"],
+        }
+        for name, seconds in times.items()
+    ]
 
 
 def main() -> None:
@@ -48,6 +101,10 @@ def main() -> None:
             variants[f"{n} replicas"] = lambda v=value, m=mapped: m(v)
         if isinstance(value, dict):
             variants["bare chunk+cat (2)"] = lambda v=value: bare_chunk_cat(v)
+        else:
+            mapped = fdp.pmap(identity, devices=["cpu"] * 2)
+            variants["2 replicas, on workers"] = lambda v=value, m=mapped: on_workers(m, v)
+            variants["thread start+join"] = lambda v=value: thread_start_join(identity, v)
         times = interleaved(variants, calls=calls, rounds=args.rounds)
         for name, seconds in times.items():
             row = {"input": label, "variant": name, "us_per_call": seconds * 1e6}
@@ -55,7 +112,10 @@ def main() -> None:
             if "bare chunk+cat (2)" in times and name == "2 replicas":
                 row["ratio_to_bare"] = seconds / times["bare chunk+cat (2)"]
             rows.append(row)
-    print(table(rows, ["input", "variant", "us_per_call", "over_direct_us", "ratio_to_bare"]))
+    rows += training_step_rows(args.rounds)
+    print(
+        table(rows, ["input", "variant", "us_per_call", "over_direct_us", "ratio_to_bare", "ratio_to_direct"])
+    )
     write_json(args.json, {"benchmark": "dispatch", "rows": rows})
 
 

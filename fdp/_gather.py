@@ -52,12 +52,13 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 class OutputPlan:
     """Per-leaf out axes for one output structure (cached by ``fdp.pmap``)."""
 
-    __slots__ = ("treespec", "axes", "all_zero")
+    __slots__ = ("treespec", "axes", "all_zero", "all_none")
 
     def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any]) -> None:
         self.treespec = treespec
         self.axes = axes
         self.all_zero = all(type(a) is int and a == 0 for a in axes)  # allows a shorter gather
+        self.all_none = all(a is _axes.BROADCAST for a in axes)
 
 
 def gather_outputs(
@@ -92,6 +93,13 @@ def gather_outputs(
         if plans is not None:
             plans[treespec] = plan
 
+    if (
+        len(flat) == 1
+        and plan.all_none
+        and not check
+        and all(t.device == destination for t in flat[0][0] if isinstance(t, torch.Tensor))
+    ):
+        return outputs[0]  # one replica, nothing to join, already on the destination
     if plan.all_zero and destination.type == "cpu":
         fast = _cat_all_on_cpu([leaves for leaves, _ in flat])
         if fast is not None:
@@ -120,8 +128,10 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
     every = [t for leaves in per_replica for t in leaves]
     if not every or not _TENSOR_TYPES.issuperset(map(type, every)):
         return None
-    ranks = {t.dim() for t in every}
-    if len(ranks) != 1 or 0 in ranks or not all([t.is_cpu for t in every]):
+    ranks = [t.dim() for t in per_replica[0]]
+    if 0 in ranks or not all([t.is_cpu for t in every]):
+        return None
+    if any([t.dim() for t in leaves] != ranks for leaves in per_replica[1:]):
         return None
     if len(per_replica) == 1:
         return per_replica[0]
