@@ -275,6 +275,7 @@ class Timing:
 # What waking a worker costs here: from a task's submission to its start, averaged as workers
 # start tasks. The first guess is a typical Linux futex wake-up across cores.
 _wake_seconds = 50e-6
+_MAX_WAKE_SECONDS = 500e-6
 # Whether the caller may run replicas other than 0 (benchmarks turn it off to measure hand-offs).
 INLINE_REPLICAS = True
 
@@ -339,6 +340,8 @@ def run_replicas(
     # counting the replicas not finished by then (the caller may have run some inline).
     latch: list[_Latch] = []
     finished_inline = [0]
+    stolen: list[int] = []  # replicas the caller claimed, and those it has counted down
+    counted: set[int] = set()
     types = {d.type for d in devices}
     cuda_sync = _CudaSync(devices) if "cuda" in types else None
     workers: list[_Worker] = []
@@ -354,7 +357,10 @@ def run_replicas(
             if i > 0 and not inline:
                 if not claims[i].acquire(blocking=False):
                     return  # the caller ran it
-                _wake_seconds = 0.9 * _wake_seconds + 0.1 * (time.perf_counter() - submitted_at[0])
+                # Capped: time queued behind other calls' replicas is not a wake-up, and an
+                # estimate stuck high would keep large replicas inline (no new samples come then).
+                waited = min(time.perf_counter() - submitted_at[0], _MAX_WAKE_SECONDS)
+                _wake_seconds = 0.9 * _wake_seconds + 0.1 * waited
             worker = workers[i - 1] if i > 0 and not inline else None
             try:
                 if worker is not None and worker.init_error is not None:
@@ -383,6 +389,7 @@ def run_replicas(
                         latch[0].count_down()
                     else:
                         finished_inline[0] += 1
+                    counted.add(i)
 
         return task
 
@@ -400,7 +407,15 @@ def run_replicas(
     inline_ok = _may_run_inline(types == {"cpu"})
     small = timing is not None and timing.seconds is not None and timing.seconds * (n - 1) < _wake_seconds
     if inline_ok and small:
-        group.before_wait = submit  # replica 0 entered a collective: the others must run now
+
+        def hand_over() -> None:  # replica 0 entered a collective: the others must run now
+            try:
+                submit()
+            except BaseException as error:
+                group.abort(0, error)  # a retried collective fails instead of waiting forever
+                raise
+
+        group.before_wait = hand_over
     else:
         try:
             submit()
@@ -419,12 +434,20 @@ def run_replicas(
         if take_all or (inline_ok and group.exchanges(0) == 0):
             group.before_wait = None
             for i in range(1, n):
+                if group.failed is not None:
+                    break  # the call has failed: the caller runs nothing more
                 if claims[i].acquire(blocking=False):
+                    stolen.append(i)
                     tasks[i](inline=True)
         if latch:
             latch[0].wait()
     except BaseException as interrupt:  # KeyboardInterrupt while waiting
         group.abort(0, interrupt)
+        for i in stolen:  # interrupted around a replica the caller ran: no one else counts it
+            if i not in counted:
+                group.finish(i)
+                if latch:
+                    latch[0].count_down()
         if latch:
             latch[0].wait()  # the replicas that never ran were never handed over
         for i, failure in enumerate(errors):
@@ -444,6 +467,11 @@ def run_replicas(
         if cuda_sync is not None:
             cuda_sync.finish(results, workers)
     if any(e is not None for e in errors):
+        if group.failed is not None and all(
+            e is None or isinstance(e, _replica.ReplicaAborted) for e in errors
+        ):
+            # Only aborted replicas: the failure that aborted them (a failed hand-over) is the news.
+            errors[group.failed_index or 0] = group.failed
         failure = _primary_error(errors, devices, caller)
         if group.distributed:
             _distributed.record_failure(failure)  # other processes stop waiting for this one

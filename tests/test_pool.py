@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import cpus
+from helpers import cpus, finishes
 
 import fdp
 from fdp import _pool
@@ -263,3 +263,27 @@ def test_workers_are_stopped_at_exit_and_restart_if_needed() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+
+
+def test_failed_hand_over_at_a_collective_fails_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    retried: list[str] = []
+
+    def f(x):
+        try:
+            return fdp.psum(x, "i")
+        except RuntimeError as error:
+            retried.append(str(error))
+            return fdp.psum(x, "i")  # retried: must fail too, not wait for replicas never queued
+
+    mapped = fdp.pmap(lambda x: x, axis_name="i", devices=cpus(2))
+    mapped(torch.ones(2))
+    mapped.fn = f
+
+    def no_threads(devices):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_pool, "_workers_for", no_threads)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        finishes(lambda: mapped(torch.ones(2)))
+    assert retried == ["can't start new thread"]
