@@ -13,7 +13,7 @@ import optree
 
 from . import _state, _tree
 
-__all__ = ["BROADCAST", "check_spec", "leaf_axes", "normalize_axis"]
+__all__ = ["BROADCAST", "check_spec", "leaf_axes", "normalize_axis", "all_zero"]
 
 
 class _Broadcast:
@@ -28,6 +28,11 @@ class _Broadcast:
 
 BROADCAST: Final = _Broadcast()
 """The per-leaf axis of a value that every replica gets whole (``None`` in a specification)."""
+
+
+def all_zero(axes: list[Any]) -> bool:
+    """Whether every per-leaf axis is 0 (scatter and gather have a shorter path for that)."""
+    return all(type(a) is int and a == 0 for a in axes)
 
 
 def _check_leaf(value: Any, path: str, per_replica: bool) -> Any:

@@ -57,7 +57,7 @@ class OutputPlan:
     def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any]) -> None:
         self.treespec = treespec
         self.axes = axes
-        self.all_zero = all(type(a) is int and a == 0 for a in axes)  # allows a shorter gather
+        self.all_zero = _axes.all_zero(axes)
         self.all_none = all(a is _axes.BROADCAST for a in axes)
 
 
@@ -118,15 +118,12 @@ def gather_outputs(
     return _tree.unflatten(treespec, joined)
 
 
-_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
-
-
 def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
     """Every leaf of every replica a CPU tensor, all of one rank > 0, all concatenated along
     axis 0 on the CPU: join them with one pass per step. None when that does not hold (or a
     ``cat`` fails); the general path then handles the output, errors included."""
     every = [t for leaves in per_replica for t in leaves]
-    if not every or not _TENSOR_TYPES.issuperset(map(type, every)):
+    if not every or not _tree.TENSOR_TYPES.issuperset(map(type, every)):
         return None
     ranks = [t.dim() for t in per_replica[0]]
     if 0 in ranks or not all([t.is_cpu for t in every]):

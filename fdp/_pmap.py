@@ -31,7 +31,7 @@ class _Plan:
 
     def __init__(self, axes: list[Any]) -> None:
         self.axes = axes
-        self.all_zero = all(type(a) is int and a == 0 for a in axes)  # allows a shorter scatter
+        self.all_zero = _axes.all_zero(axes)
 
 
 class Pmapped(Generic[P, R]):

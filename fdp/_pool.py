@@ -321,7 +321,6 @@ def run_replicas(
 
     Replicas must therefore not wait for each other except through fdp's collectives.
     """
-    global _wake_seconds
     ensure_not_in_replica(caller)
     n = len(replicas)
     devices = tuple(devices[:n])
@@ -332,14 +331,14 @@ def run_replicas(
         group.offset, group.global_size, group.counts = _distributed.global_layout(n)
         group.distributed = True
     if n == 1:
-        return [_run_alone(replicas[0], axis_name, devices[0], group, rng_seed, caller, timing)]
+        return [_run_alone(replicas[0], axis_name, devices[0], group, rng_seed, caller)]
     state = _thread_state.capture()
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    # The caller waits on a latch for the replicas handed to workers; it is made at the hand-over,
-    # counting the replicas not finished by then (the caller may have run some inline).
+    # The caller waits on a latch for the replicas handed to workers, made at the hand-over. No
+    # replica but 0 has run by then: the hand-over happens before replica 0 starts, or in its
+    # first collective, and never once the caller has begun to run the others.
     latch: list[_Latch] = []
-    finished_inline = [0]
     stolen: list[int] = []  # replicas the caller claimed, and those it has counted down
     counted: set[int] = set()
     types = {d.type for d in devices}
@@ -387,8 +386,6 @@ def run_replicas(
                 if i > 0:
                     if latch:
                         latch[0].count_down()
-                    else:
-                        finished_inline[0] += 1
                     counted.add(i)
 
         return task
@@ -399,7 +396,7 @@ def run_replicas(
         with _SUBMIT_LOCK:
             found = _workers_for(devices)
             workers.extend(found)
-            latch.append(_Latch(n - 1 - finished_inline[0]))
+            latch.append(_Latch(n - 1))
             submitted_at.append(time.perf_counter())
             for i in range(1, n):
                 workers[i - 1].tasks.put(tasks[i])
@@ -472,11 +469,21 @@ def run_replicas(
         ):
             # Only aborted replicas: the failure that aborted them (a failed hand-over) is the news.
             errors[group.failed_index or 0] = group.failed
-        failure = _primary_error(errors, devices, caller)
-        if group.distributed:
-            _distributed.record_failure(failure)  # other processes stop waiting for this one
-        raise failure
+        raise _reported_failure(errors, devices, caller, group)
     return results
+
+
+def _reported_failure(
+    errors: Sequence[BaseException | None],
+    devices: Sequence[torch.device],
+    caller: str,
+    group: _replica.CallGroup,
+) -> BaseException:
+    """The call's primary failure (see :func:`_primary_error`), told to the other processes."""
+    failure = _primary_error(errors, devices, caller)
+    if group.distributed:
+        _distributed.record_failure(failure)  # other processes stop waiting for this one
+    return failure
 
 
 def _run_alone(
@@ -486,7 +493,6 @@ def _run_alone(
     group: _replica.CallGroup,
     rng_seed: int | None,
     caller: str,
-    timing: Timing | None,
 ) -> Any:
     """One replica: in the caller's thread, with nothing to hand over or wait for."""
     context = _replica.ReplicaContext(axis_name, 0, 1, device, group)
@@ -498,9 +504,7 @@ def _run_alone(
             return replica()
     except BaseException as error:
         group.abort(0, error)
-        failure = _primary_error([error], (device,), caller)
-        if group.distributed:
-            _distributed.record_failure(failure)
+        _reported_failure([error], (device,), caller, group)  # notes on the error object itself
         raise
     finally:
         group.finish(0)

@@ -132,16 +132,13 @@ def scatter_leaves(
     return Scattered(rows, run_on, sizes, shared)
 
 
-_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
-
-
 def _split_all_on_cpu(
     leaves: Sequence[Any], devices: tuple[torch.device, ...], split: _split.SplitRule
 ) -> Scattered | None:
     """Every leaf a CPU tensor of one batch size along axis 0, every replica on the CPU: split
     them all with one pass per step, in C where possible. None when that does not hold; the
     general path then handles the input, errors included."""
-    if not _TENSOR_TYPES.issuperset(map(type, leaves)) or any(d.type != "cpu" for d in devices):
+    if not _tree.TENSOR_TYPES.issuperset(map(type, leaves)) or any(d.type != "cpu" for d in devices):
         return None
     if not all([t.is_cpu and t.dim() > 0 for t in leaves]):
         return None

@@ -33,10 +33,11 @@ __all__ = [
 NAMESPACE = "fdp"
 """The optree namespace fdp flattens in: register custom containers there."""
 
+# The exact types of plain tensor leaves (the all-tensor fast paths of scatter and gather).
+TENSOR_TYPES: frozenset[type] = frozenset({torch.Tensor, torch.nn.Parameter})
 # Types that are always leaves, so the per-call node-type check is one set lookup per leaf.
 _LEAF_TYPES: set[type] = {
-    torch.Tensor,
-    torch.nn.Parameter,
+    *TENSOR_TYPES,
     int,
     float,
     bool,
