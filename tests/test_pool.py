@@ -287,3 +287,35 @@ def test_failed_hand_over_at_a_collective_fails_instead_of_hanging(monkeypatch: 
     with pytest.raises(RuntimeError, match="can't start new thread"):
         finishes(lambda: mapped(torch.ones(2)))
     assert retried == ["can't start new thread"]
+
+
+def test_wake_up_samples_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Time queued behind other calls is not a wake-up: each sample counts at most the cap.
+    monkeypatch.setattr(_pool, "_wake_seconds", 0.0)
+    monkeypatch.setattr(_pool, "_MAX_WAKE_SECONDS", 1e-12)
+    monkeypatch.setattr(_pool, "INLINE_REPLICAS", False)
+    mapped = fdp.pmap(lambda x: x, devices=cpus(3))
+    for _ in range(5):
+        mapped(torch.ones(3))
+    assert 0.0 < _pool._wake_seconds <= 1e-12
+
+
+def test_caller_runs_no_more_replicas_once_the_call_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    ran: list[int] = []
+    fail = [False]
+
+    def f(x):
+        index = fdp.axis_index("i")
+        ran.append(index)
+        if fail[0] and index == 0:
+            raise KeyError("replica 0")
+        return x
+
+    mapped = fdp.pmap(f, axis_name="i", devices=cpus(3))
+    mapped(torch.ones(3))
+    ran.clear()
+    fail[0] = True
+    with pytest.raises(KeyError):
+        mapped(torch.ones(3))
+    assert ran == [0]  # inline: the others were never handed over, and are not run
