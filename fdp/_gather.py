@@ -93,17 +93,13 @@ def gather_outputs(
         if plans is not None:
             plans[treespec] = plan
 
-    if (
-        len(flat) == 1
-        and plan.all_none
-        and not check
-        and all(t.device == destination for t in flat[0][0] if isinstance(t, torch.Tensor))
-    ):
+    if len(flat) == 1 and plan.all_none and not check and _all_on(flat[0][0], destination):
         return outputs[0]  # one replica, nothing to join, already on the destination
     if plan.all_zero and destination.type == "cpu":
         fast = _cat_all_on_cpu([leaves for leaves, _ in flat])
         if fast is not None:
-            return _tree.unflatten(treespec, fast)
+            # One replica: its leaves are the result, and so is its tree.
+            return outputs[0] if len(flat) == 1 else _tree.unflatten(treespec, fast)
     columns = list(zip(*(leaves for leaves, _ in flat)))
     taken: set[int] | None = None  # storages already used by a PER_REPLICA output, or inputs'
     joined = []
@@ -116,6 +112,13 @@ def gather_outputs(
         else:
             joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
     return _tree.unflatten(treespec, joined)
+
+
+def _all_on(leaves: list[Any], destination: torch.device) -> bool:
+    """Whether every tensor leaf is on ``destination``."""
+    if destination.type == "cpu":  # is_cpu builds no device object: cheaper on the common path
+        return all([t.is_cpu for t in leaves if isinstance(t, torch.Tensor)])
+    return all([t.device == destination for t in leaves if isinstance(t, torch.Tensor)])
 
 
 def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:

@@ -153,6 +153,27 @@ class Pmapped(Generic[P, R]):
         plan = self._plans.get(treespec)
         if plan is None:
             plan = self._plans[treespec] = self._make_plan(parts, roots)
+        if (
+            len(devices) == 1
+            and devices[0].type == "cpu"
+            and _scatter.fits_one_cpu_replica(leaves, plan.axes, all_zero=plan.all_zero)
+        ):
+            # One CPU replica, and scattering would hand it every leaf unchanged: it takes the
+            # argument trees as they are. Around a step of a millisecond, the skipped work
+            # (re-building trees, the general scatter) would be measurable.
+            output = _pool.run_one(
+                devices[0], self._call_replica, parts, statics, axis_name=self.axis_name, caller=caller
+            )
+            return _gather.gather_outputs(
+                [output],
+                output_device,
+                self.out_axes,
+                caller=caller,
+                check=self.check_unmapped_outputs,
+                plans=self._out_plans,
+                devices=devices,
+                inputs=leaves,
+            )
         scattered = _scatter.scatter_leaves(
             leaves,
             plan.axes,

@@ -37,7 +37,7 @@ import torch
 
 from . import _distributed, _random, _replica, _thread_state, _tree
 
-__all__ = ["run_replicas", "ensure_not_in_replica"]
+__all__ = ["run_replicas", "run_one", "ensure_not_in_replica"]
 
 
 class _Latch:
@@ -323,15 +323,11 @@ def run_replicas(
     """
     ensure_not_in_replica(caller)
     n = len(replicas)
+    if n == 1:
+        return [run_one(devices[0], replicas[0], axis_name=axis_name, caller=caller)]
     devices = tuple(devices[:n])
     rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
-    group = _replica.CallGroup(n, devices)
-    if axis_name is not None and _distributed.is_initialized():
-        # The axis spans every process: one exchange of replica counts places this one's.
-        group.offset, group.global_size, group.counts = _distributed.global_layout(n)
-        group.distributed = True
-    if n == 1:
-        return [_run_alone(replicas[0], axis_name, devices[0], group, rng_seed, caller)]
+    group = _call_group(n, devices, axis_name)
     state = _thread_state.capture()
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -486,22 +482,41 @@ def _reported_failure(
     return failure
 
 
-def _run_alone(
-    replica: Callable[[], Any],
-    axis_name: Hashable | None,
+def _call_group(n: int, devices: tuple[torch.device, ...], axis_name: Hashable | None) -> _replica.CallGroup:
+    """The replicas' shared state; with an axis name under fdp.distributed, placed among every
+    process's replicas."""
+    group = _replica.CallGroup(n, devices)
+    if axis_name is not None and _distributed.is_initialized():
+        # The axis spans every process: one exchange of replica counts places this one's.
+        group.offset, group.global_size, group.counts = _distributed.global_layout(n)
+        group.distributed = True
+    return group
+
+
+def run_one(
     device: torch.device,
-    group: _replica.CallGroup,
-    rng_seed: int | None,
+    replica: Callable[..., Any],
+    *args: Any,
+    axis_name: Hashable | None = None,
     caller: str,
 ) -> Any:
-    """One replica: in the caller's thread, with nothing to hand over or wait for."""
-    context = _replica.ReplicaContext(axis_name, 0, 1, device, group)
+    """Runs ``replica(*args)`` as the only replica, on ``device``, in the caller's thread.
+
+    There is nothing to hand over or wait for: this is :func:`run_replicas` for one replica, with
+    as little code on the way as possible (a step of a millisecond notices every microsecond).
+    The caller has checked that it is not inside a replica.
+    """
+    rng_seed = _random.active_seed()
+    group = _call_group(1, (device,), axis_name)
     try:
-        with _replica.entered(context), _random.replica_scope(rng_seed, 0):
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    return replica()
-            return replica()
+        with _replica.entered(_replica.ReplicaContext(axis_name, 0, 1, device, group)):
+            if rng_seed is None and device.type == "cpu":
+                return replica(*args)
+            with (
+                _random.replica_scope(rng_seed, 0),
+                torch.cuda.device(device) if device.type == "cuda" else _NULL_CONTEXT,
+            ):
+                return replica(*args)
     except BaseException as error:
         group.abort(0, error)
         _reported_failure([error], (device,), caller, group)  # notes on the error object itself

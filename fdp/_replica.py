@@ -51,12 +51,33 @@ class _Round:
 
 
 class CallGroup:
-    """State shared by the replicas of one call."""
+    """State shared by the replicas of one call (slotted: one is built per call)."""
+
+    __slots__ = (
+        "size",
+        "devices",
+        "lock",
+        "cond",
+        "failed",
+        "failed_index",
+        "finished",
+        "done",
+        "distributed",
+        "offset",
+        "global_size",
+        "counts",
+        "_rounds",
+        "_next",
+        "before_wait",
+    )
 
     def __init__(self, size: int, devices: Sequence[torch.device]) -> None:
         self.size = size
         self.devices = tuple(devices)
-        self.cond = threading.Condition(threading.Lock())  # never re-entered: a plain lock is cheaper
+        self.lock = threading.Lock()  # never re-entered: a plain lock is cheaper
+        # Replicas wait for each other on the condition; a lone replica never waits, and its
+        # calls (up to a millisecond each) are spared building one.
+        self.cond = threading.Condition(self.lock) if size > 1 else None
         self.failed: BaseException | None = None
         self.failed_index: int | None = None
         self.finished = [False] * size
@@ -79,18 +100,23 @@ class CallGroup:
 
     def abort(self, index: int, error: BaseException) -> None:
         """Records the first failure and releases the replicas waiting in an exchange."""
-        with self.cond:
+        with self.lock:
             if self.failed is None:
                 self.failed = error
                 self.failed_index = index
-            self.cond.notify_all()
+            self._notify()
 
     def finish(self, index: int) -> None:
         """Replica ``index`` has returned (or raised)."""
-        with self.cond:
+        with self.lock:
             self.finished[index] = True
             if self._rounds:  # only replicas inside an exchange wait on the condition
-                self.cond.notify_all()
+                self._notify()
+
+    def _notify(self) -> None:
+        """Wakes the replicas waiting in an exchange (the lock is held)."""
+        if self.cond is not None:
+            self.cond.notify_all()
 
     def exchange(
         self,
@@ -110,7 +136,7 @@ class CallGroup:
         if hand_over is not None:
             self.before_wait = None
             hand_over()
-        with self.cond:
+        with self.lock:
             number = self._next[index]
             self._next[index] += 1
             round_ = self._rounds.get(number)
@@ -125,7 +151,7 @@ class CallGroup:
                     "order (and differentiate through them in the same order).",
                     None,
                 )
-                self.cond.notify_all()
+                self._notify()
             round_.payloads[index] = payload
             round_.arrived += 1
             last = round_.arrived == self.size
@@ -137,10 +163,10 @@ class CallGroup:
                 error = None
             except Exception as err:  # noqa: BLE001 - reported to every replica
                 result, error = _PENDING, (type(err), str(err), err)
-            with self.cond:
+            with self.lock:
                 round_.result, round_.error = result, error
-                self.cond.notify_all()
-        with self.cond:
+                self._notify()
+        with self.lock:
             round_.taken += 1
             if round_.taken == self.size:
                 del self._rounds[number]
@@ -169,8 +195,9 @@ class CallGroup:
                     "between replicas).",
                     None,
                 )
-                self.cond.notify_all()
+                self._notify()
                 return
+            assert self.cond is not None  # only a group of several replicas waits
             self.cond.wait()
 
 

@@ -16,7 +16,7 @@ import torch
 
 from . import _axes, _devices, _split, _state, _transfer, _tree
 
-__all__ = ["scatter", "replicate", "scatter_leaves", "Scattered"]
+__all__ = ["scatter", "replicate", "scatter_leaves", "Scattered", "fits_one_cpu_replica"]
 
 
 class Scattered:
@@ -130,6 +130,36 @@ def scatter_leaves(
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)
     return Scattered(rows, run_on, sizes, shared)
+
+
+def fits_one_cpu_replica(leaves: Sequence[Any], axes: Sequence[Any], *, all_zero: bool) -> bool:
+    """Whether one replica on the CPU can take ``leaves`` as they are: every leaf a CPU tensor,
+    every mapped one of a valid rank and one non-empty batch size. Scattering them would hand
+    each leaf over unchanged, so ``fdp.pmap`` skips it (and rebuilding the tree). When False,
+    :func:`scatter_leaves` handles the input, errors included."""
+    if not _tree.TENSOR_TYPES.issuperset(map(type, leaves)):
+        return False
+    if all_zero:  # the usual in_axes=0: one pass in C per test
+        if not leaves or not all([t.is_cpu and t.dim() > 0 for t in leaves]):
+            return False
+        batches = {t.shape[0] for t in leaves}
+        return len(batches) == 1 and 0 not in batches
+    batch: int | None = None
+    broadcast = _axes.BROADCAST
+    for leaf, axis in zip(leaves, axes):
+        if not leaf.is_cpu:
+            return False
+        if axis is broadcast:
+            continue
+        ndim = leaf.dim()
+        if not -ndim <= axis < ndim:
+            return False
+        size = leaf.shape[axis]
+        if batch is None:
+            batch = size
+        elif size != batch:
+            return False
+    return bool(batch)  # None: nothing mapped; 0: an empty batch (both errors)
 
 
 def _split_all_on_cpu(

@@ -667,3 +667,111 @@ def test_unrebuildable_dataclass_passes_whole_unless_it_must_be_split() -> None:
     seen: list[Any] = []
     fdp.pmap(lambda x, c: x * c.depth if not seen.append(c) else x, devices=cpus(2))(torch.ones(4), config)
     assert all(c is config for c in seen)
+
+
+# --- one replica: the arguments are handed over as they are ----------------------------------
+
+
+def test_one_cpu_replica_gets_the_arguments_themselves() -> None:
+    x, w = torch.randn(6, 3), torch.randn(3)
+    kw = {"scale": torch.ones(6)}
+    seen: list[Any] = []
+
+    def f(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        seen.extend([x, w, scale])
+        return x @ w * scale
+
+    out = fdp.pmap(f, in_axes=(0, None), devices=cpus(1))(x, w, scale=kw["scale"])
+    assert seen[0] is x and seen[1] is w and seen[2] is kw["scale"]  # no copy, no view
+    torch.testing.assert_close(out, x @ w)
+
+
+def test_one_cpu_replica_matches_the_direct_call_for_every_input_kind() -> None:
+    """Negative and None axes, static arguments, nested trees, a module: one replica computes
+    what the function computes, and returns the same containers."""
+    net = nn.Linear(3, 2)
+    params = dict(net.named_parameters())
+    x = {"a": torch.randn(5, 3), "b": [torch.randn(3, 5), 2.5]}
+
+    def f(p: dict[str, torch.Tensor], x: Any, mode: str) -> Any:
+        y = torch.func.functional_call(net, p, (x["a"] + x["b"][0].T * x["b"][1],))
+        return {"y": y, "mode": mode, "total": y.sum()}
+
+    mapped = fdp.pmap(
+        f,
+        in_axes=(None, {"a": 0, "b": [-1, None]}, None),
+        static_argnums=2,
+        out_axes={"y": 0, "mode": None, "total": None},
+        devices=cpus(1),
+    )
+    out, expected = mapped(params, x, "train"), f(params, x, "train")
+    assert out["mode"] == "train"
+    torch.testing.assert_close(out["y"], expected["y"])
+    torch.testing.assert_close(out["total"], expected["total"])
+    module_out = fdp.pmap(net, devices=cpus(1))(params, x["a"])
+    torch.testing.assert_close(module_out, net(x["a"]))
+
+
+@dataclasses.dataclass(init=False)
+class _Opaque:
+    x: torch.Tensor
+
+
+def _opaque() -> _Opaque:
+    value = _Opaque()
+    value.x = torch.zeros(4)
+    return value
+
+
+@pytest.mark.parametrize(
+    ("in_axes", "args", "error", "match"),
+    [
+        (0, (torch.zeros(4), torch.zeros(3)), ValueError, "inconsistent sizes"),
+        (0, (torch.zeros(0, 2),), ValueError, "empty batch"),
+        (0, (torch.tensor(1.0),), ValueError, "rank should be at least 1"),
+        (2, (torch.zeros(4, 2),), ValueError, "rank should be at least 3"),
+        (None, (torch.zeros(4),), ValueError, "found no tensor to map"),
+        (0, (torch.zeros(4), _opaque()), TypeError, r"args\[1\]: fdp cannot split the dataclass"),
+    ],
+    ids=["sizes", "empty", "scalar", "axis", "nothing mapped", "opaque dataclass"],
+)
+def test_one_cpu_replica_rejects_what_two_replicas_reject(
+    in_axes: Any, args: tuple[Any, ...], error: type[BaseException], match: str
+) -> None:
+    messages = []
+    for n in (1, 2):
+        with pytest.raises(error, match=match) as info:
+            fdp.pmap(lambda *a: a[0], in_axes=in_axes, devices=cpus(n))(*args)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_one_cpu_replica_runs_collectives_and_random_scopes() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return fdp.psum(x, "i") + fdp.axis_index("i") + torch.rand(()) * 0
+
+    one = fdp.pmap(f, axis_name="i", devices=cpus(1))
+    torch.testing.assert_close(one(torch.arange(3.0)), torch.arange(3.0))
+    draw = fdp.pmap(lambda x: x + torch.rand(x.shape), devices=cpus(1))
+    with fdp.rng_scope(3):
+        first = draw(torch.zeros(4))
+    with fdp.rng_scope(3):
+        again = draw(torch.zeros(4))
+    with fdp.rng_scope(fdp.fold_in(3, 0)):
+        own = torch.rand(4)  # replica 0 of a call in rng_scope(3) draws in rng_scope(fold_in(3, 0))
+    torch.testing.assert_close(first, again)
+    torch.testing.assert_close(first, own)
+
+
+def test_one_cpu_replica_failure_keeps_the_exception_object() -> None:
+    class Boom(Exception):
+        pass
+
+    error = Boom("replica failed")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        raise error
+
+    with pytest.raises(Boom) as info:
+        fdp.pmap(f, devices=cpus(1))(torch.zeros(2))
+    assert info.value is error
