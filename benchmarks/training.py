@@ -170,16 +170,23 @@ def measure(kind: str, rounds: int, steps: int) -> list[dict[str, Any]]:
         for fn in variants.values():
             for _ in range(3):
                 fn()
-        samples: dict[str, list[float]] = {name: [] for name in [*variants, "DDP gloo (2 procs)"]}
-        for _ in range(rounds):
-            for name, fn in variants.items():
+        names = [*variants, "DDP gloo (2 procs)"]
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            # The order rotates every round: a variant's threads (OpenMP's spin after a parallel
+            # region, gloo's after a step) slow whichever variant follows it for a while, and a
+            # fixed order would always hand that cost to the same one.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                if name == "DDP gloo (2 procs)":
+                    samples[name].append(steps * BATCH / ddp.run(steps))
+                    continue
                 # single: the whole machine's threads for one replica; fdp: one per replica
                 torch.set_num_threads(2 if name == "single" else 1)
+                fn = variants[name]
                 start = time.perf_counter()
                 for _ in range(steps):
                     fn()
                 samples[name].append(steps * BATCH / (time.perf_counter() - start))
-            samples["DDP gloo (2 procs)"].append(steps * BATCH / ddp.run(steps))
     finally:
         ddp.close()
     medians = {name: statistics.median(v) for name, v in samples.items()}

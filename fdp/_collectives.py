@@ -268,8 +268,9 @@ class _AllReduce(_Op):
                     f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
                 )
         if self.scaling == "weighted_in":
-            buffers = [b * (w / weight_sum) for b, w in zip(buffers, extras)]
-        total = _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
+            total = _weighted_sum(buffers, [w / weight_sum for w in extras], destination)
+        else:
+            total = _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
         if group.distributed:
             total = _distributed.all_reduce(total, "sum")
         if self.scaling == "mean":
@@ -278,6 +279,20 @@ class _AllReduce(_Op):
         if self.scaling == "weighted_out":
             results = [t * (w / weight_sum) for t, w in zip(results, extras)]
         return results
+
+
+def _weighted_sum(
+    buffers: list[torch.Tensor], scales: list[float], destination: torch.device
+) -> torch.Tensor:
+    """``sum_r scales[r] * buffers[r]`` on ``destination``, accumulated in replica order."""
+    if all(b.device == destination for b in buffers):
+        # One new tensor and one pass per buffer: a gradient buffer is megabytes, and scaling
+        # each one into a tensor of its own before adding would allocate and write it twice.
+        total = buffers[0] * scales[0]
+        for b, scale in zip(buffers[1:], scales[1:]):
+            total = total.add_(b, alpha=scale)
+        return total
+    return _transfer.reduce_add([b * s for b, s in zip(buffers, scales)], destination)
 
 
 def _gathered(buffers: list[torch.Tensor], group: _replica.CallGroup, caller: str) -> torch.Tensor:
@@ -574,6 +589,9 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
 
 
 def _check_floating(x: Any, caller: str) -> None:
+    leaves, _ = _tree.flatten(x)
+    if all([not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() for t in leaves]):
+        return  # key paths are only worked out for the message
     paths, leaves, _ = _tree.flatten_with_paths(x, "x")
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):

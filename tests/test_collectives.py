@@ -420,3 +420,23 @@ def test_psum_of_booleans_counts() -> None:
 def test_weights_summing_to_zero() -> None:
     with pytest.raises(ValueError, match="weights sum to 0.0"):
         per_row(lambda x: fdp.pmean(x, "i", weight=0.0))(rows())
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_weighted_pmean_of_a_tree_is_the_row_weighted_average(n: int) -> None:
+    """Oracle: the mean over all rows, from per-replica means of uneven shards (7 rows over 3
+    replicas: 3, 3, 1); every replica gets its own result, not a shared tensor."""
+    x = torch.randn(7, 5, dtype=torch.float64)
+
+    @fdp.pmap(axis_name="i", devices=cpus(n), out_axes=fdp.PER_REPLICA)
+    def f(x: torch.Tensor) -> Any:
+        means = {"a": x.mean(0), "b": [x.square().mean(0), x.sum() / x.shape[0]]}
+        return fdp.pmean(means, "i", weight=x.shape[0])
+
+    out = f(x)
+    expected = {"a": x.mean(0), "b": [x.square().mean(0), x.sum() / 7]}
+    for r in range(n):
+        torch.testing.assert_close(fdp.unreplicate(out, r), expected)
+    if n > 1:
+        out["a"][0].add_(1.0)  # a replica changing its result in place changes no other
+        torch.testing.assert_close(out["a"][1], expected["a"])
