@@ -137,13 +137,10 @@ def fits_one_cpu_replica(leaves: Sequence[Any], axes: Sequence[Any], *, all_zero
     every mapped one of a valid rank and one non-empty batch size. Scattering them would hand
     each leaf over unchanged, so ``fdp.pmap`` skips it (and rebuilding the tree). When False,
     :func:`scatter_leaves` handles the input, errors included."""
+    if all_zero:  # the usual in_axes=0
+        return _batch_along_0_on_cpu(leaves) is not None
     if not _tree.TENSOR_TYPES.issuperset(map(type, leaves)):
         return False
-    if all_zero:  # the usual in_axes=0: one pass in C per test
-        if not leaves or not all([t.is_cpu and t.dim() > 0 for t in leaves]):
-            return False
-        batches = {t.shape[0] for t in leaves}
-        return len(batches) == 1 and 0 not in batches
     batch: int | None = None
     broadcast = _axes.BROADCAST
     for leaf, axis in zip(leaves, axes):
@@ -162,21 +159,29 @@ def fits_one_cpu_replica(leaves: Sequence[Any], axes: Sequence[Any], *, all_zero
     return bool(batch)  # None: nothing mapped; 0: an empty batch (both errors)
 
 
+def _batch_along_0_on_cpu(leaves: Sequence[Any]) -> int | None:
+    """The batch size when every leaf is a CPU tensor of rank > 0 and all have one non-zero
+    size along axis 0 (one pass in C per test); else None."""
+    if not leaves or not _tree.TENSOR_TYPES.issuperset(map(type, leaves)):
+        return None
+    if not all([t.is_cpu and t.dim() > 0 for t in leaves]):
+        return None
+    batches = {t.shape[0] for t in leaves}
+    if len(batches) != 1 or 0 in batches:
+        return None
+    return batches.pop()
+
+
 def _split_all_on_cpu(
     leaves: Sequence[Any], devices: tuple[torch.device, ...], split: _split.SplitRule
 ) -> Scattered | None:
     """Every leaf a CPU tensor of one batch size along axis 0, every replica on the CPU: split
     them all with one pass per step, in C where possible. None when that does not hold; the
     general path then handles the input, errors included."""
-    if not _tree.TENSOR_TYPES.issuperset(map(type, leaves)) or any(d.type != "cpu" for d in devices):
+    if any(d.type != "cpu" for d in devices):
         return None
-    if not all([t.is_cpu and t.dim() > 0 for t in leaves]):
-        return None
-    batches = {t.shape[0] for t in leaves}
-    if len(batches) != 1:
-        return None
-    (batch,) = batches
-    if batch == 0:
+    batch = _batch_along_0_on_cpu(leaves)
+    if batch is None:
         return None
     sizes = _split.shard_sizes(batch, len(devices), split)
     run_on = devices[: len(sizes)]
