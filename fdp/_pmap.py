@@ -3,7 +3,9 @@
 A call goes: check the call site (not inside a replica, not under a torch.func transform) ->
 flatten the arguments with optree -> per-leaf axes from ``in_axes`` (cached per tree structure)
 -> scatter (``_scatter``) -> run one replica per shard on the pool (``_pool``) -> gather
-(``_gather``). Each of those steps lives in its own module; this one only wires them together.
+(``_gather``). One CPU replica whose inputs need no scattering skips the scatter and the pool's
+general path (``_pool.run_one``). Each of those steps lives in its own module; this one only
+wires them together.
 """
 
 from __future__ import annotations
@@ -161,19 +163,38 @@ class Pmapped(Generic[P, R]):
             # One CPU replica, and scattering would hand it every leaf unchanged: it takes the
             # argument trees as they are. Around a step of a millisecond, the skipped work
             # (re-building trees, the general scatter) would be measurable.
-            output = _pool.run_one(
-                devices[0], self._call_replica, parts, statics, axis_name=self.axis_name, caller=caller
-            )
-            return _gather.gather_outputs(
-                [output],
-                output_device,
-                self.out_axes,
-                caller=caller,
-                check=self.check_unmapped_outputs,
-                plans=self._out_plans,
-                devices=devices,
-                inputs=leaves,
-            )
+            outputs = [
+                _pool.run_one(
+                    devices[0], self._call_replica, parts, statics, axis_name=self.axis_name, caller=caller
+                )
+            ]
+            run_on: tuple[torch.device, ...] = devices
+        else:
+            outputs, run_on = self._scatter_and_run(leaves, treespec, plan, devices, parts, roots, statics)
+        return _gather.gather_outputs(
+            outputs,
+            output_device,
+            self.out_axes,
+            caller=caller,
+            check=self.check_unmapped_outputs,
+            plans=self._out_plans,
+            devices=run_on,
+            inputs=leaves,
+        )
+
+    def _scatter_and_run(
+        self,
+        leaves: list[Any],
+        treespec: optree.PyTreeSpec,
+        plan: _Plan,
+        devices: tuple[torch.device, ...],
+        parts: tuple[Any, ...],
+        roots: tuple[str, ...],
+        statics: dict[int, Any],
+    ) -> tuple[list[Any], tuple[torch.device, ...]]:
+        """The general path: one shard per replica, run on the pool. Returns the replicas'
+        outputs and the devices of the replicas that ran."""
+        caller = self._caller
         scattered = _scatter.scatter_leaves(
             leaves,
             plan.axes,
@@ -201,16 +222,7 @@ class Pmapped(Generic[P, R]):
         )
         if versions is not None:
             self._check_unmodified(scattered, versions, parts, roots)
-        return _gather.gather_outputs(
-            outputs,
-            output_device,
-            self.out_axes,
-            caller=caller,
-            check=self.check_unmapped_outputs,
-            plans=self._out_plans,
-            devices=scattered.devices,
-            inputs=leaves,
-        )
+        return outputs, scattered.devices
 
     def _paths(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> list[str]:
         """Every input leaf's key path, for messages (``rename_paths`` may rewrite them)."""
