@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+@dataclasses.dataclass(init=False)
+class Opaque:
+    """A dataclass fdp cannot rebuild (no generated ``__init__``), holding a tensor."""
+
+    x: torch.Tensor
+
+
+def opaque() -> Opaque:
+    value = Opaque()
+    value.x = torch.zeros(4)
+    return value
 
 
 def cpus(n: int) -> list[str]:

@@ -3,28 +3,16 @@ the right type naming the argument, and the failing call leaves its inputs as th
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import pytest
 import torch
-from helpers import cpus
+from helpers import cpus, opaque
 from torch import nn
 
 import fdp
-
-
-@dataclasses.dataclass(init=False)
-class Opaque:
-    x: torch.Tensor
-
-
-def opaque() -> Opaque:
-    value = Opaque()
-    value.x = torch.zeros(4)
-    return value
 
 
 def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import optree
 import pytest
 import torch
-from helpers import cpus
+from helpers import cpus, opaque
 from torch import nn
 
 import fdp
@@ -712,17 +712,6 @@ def test_one_cpu_replica_matches_the_direct_call_for_every_input_kind() -> None:
     torch.testing.assert_close(module_out, net(x["a"]))
 
 
-@dataclasses.dataclass(init=False)
-class _Opaque:
-    x: torch.Tensor
-
-
-def _opaque() -> _Opaque:
-    value = _Opaque()
-    value.x = torch.zeros(4)
-    return value
-
-
 @pytest.mark.parametrize(
     ("in_axes", "args", "error", "match"),
     [
@@ -731,7 +720,7 @@ def _opaque() -> _Opaque:
         (0, (torch.tensor(1.0),), ValueError, "rank should be at least 1"),
         (2, (torch.zeros(4, 2),), ValueError, "rank should be at least 3"),
         (None, (torch.zeros(4),), ValueError, "found no tensor to map"),
-        (0, (torch.zeros(4), _opaque()), TypeError, r"args\[1\]: fdp cannot split the dataclass"),
+        (0, (torch.zeros(4), opaque()), TypeError, r"args\[1\]: fdp cannot split the dataclass"),
     ],
     ids=["sizes", "empty", "scalar", "axis", "nothing mapped", "opaque dataclass"],
 )
