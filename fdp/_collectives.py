@@ -3,7 +3,9 @@
 Every collective takes a pytree. Its tensor leaves are coalesced into one flat buffer per
 (device, dtype) (:class:`_Packed`), the replicas meet once in the call group's exchange
 (``_replica.CallGroup.exchange``), the last one to arrive combines the buffers for all of them
-(:class:`_Op` subclasses), and each replica unpacks its result.
+(:class:`_Op` subclasses), and each replica unpacks its result. Sums over CPU replicas in one
+process are the exception: there each replica adds the (private) buffers itself after the
+exchange, in parallel with the others (``_Op.combine_each``).
 
 Differentiation, two ways:
 
@@ -21,7 +23,7 @@ Differentiation, two ways:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import optree
@@ -90,7 +92,7 @@ def axis_size(axis_name: Hashable) -> int:
 class _Packed:
     """A tree's tensor leaves as one flat buffer per (device, dtype)."""
 
-    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "buffers", "metadata")
+    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "buffers", "aliased", "metadata")
 
     def __init__(self, tree: Any, caller: str, device: torch.device) -> None:
         leaves, treespec = _tree.flatten(tree)
@@ -112,6 +114,7 @@ class _Packed:
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
         self.slots: dict[int, tuple[int, int, int]] = {}
         self.buffers: list[torch.Tensor] = []
+        self.aliased: list[bool] = []  # buffer b may share memory with the leaf it holds
         for b, key in enumerate(self.keys):
             members = groups[key]
             offset = 0
@@ -123,7 +126,13 @@ class _Packed:
                 self.buffers.append(self.leaves[members[0]].reshape(-1))
             else:
                 self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
+            self.aliased.append(len(members) == 1)
         self.metadata = (treespec, tuple((t.dtype, tuple(t.shape)) for t in self.leaves))
+
+    def private_buffers(self) -> list[torch.Tensor]:
+        """The buffers, none sharing memory with a leaf: for replicas that read each other's
+        buffers after the exchange, when the owner may already be changing its leaves."""
+        return [b.clone() if aliased else b for b, aliased in zip(self.buffers, self.aliased)]
 
     def unpack(self, buffers: Sequence[torch.Tensor], leaf_result: Any = None) -> Any:
         """The tree rebuilt from result buffers laid out like this one's.
@@ -212,6 +221,18 @@ class _Op:
         """Every replica's result from every replica's buffer (``extras``: their extra values)."""
         raise NotImplementedError
 
+    def defers(self, group: _replica.CallGroup) -> bool:
+        """Whether each replica may compute its own result after the exchange (see
+        :meth:`combine_each`); the replicas then exchange private buffers."""
+        return False
+
+    def combine_each(
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
+    ) -> Callable[[int], torch.Tensor] | None:
+        """A function giving replica ``r``'s result, which replica ``r`` runs itself once the
+        exchange returns, or ``None`` to have :meth:`combine` compute every result at once."""
+        return None
+
 
 class _AllReduce(_Op):
     """An elementwise reduction over the replicas, with optional weights.
@@ -256,17 +277,7 @@ class _AllReduce(_Op):
             if group.distributed:
                 total = _distributed.all_reduce(total, self.reduce)
             return _distribute(total, devices, buffers)
-        weight_sum = 1.0
-        if self.scaling in ("weighted_in", "weighted_out"):
-            weight_sum = float(sum(extras))
-            if group.distributed:
-                weight_sum = float(
-                    _distributed.all_reduce(torch.tensor(weight_sum, dtype=torch.float64), "sum")
-                )
-            if not weight_sum > 0:
-                raise ValueError(
-                    f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
-                )
+        weight_sum = self._weight_sum(extras, group)
         if self.scaling == "weighted_in":
             total = _weighted_sum(buffers, [w / weight_sum for w in extras], destination)
         else:
@@ -279,6 +290,54 @@ class _AllReduce(_Op):
         if self.scaling == "weighted_out":
             results = [t * (w / weight_sum) for t, w in zip(results, extras)]
         return results
+
+    def defers(self, group: _replica.CallGroup) -> bool:
+        # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
+        # megabyte gradient's sum and its copies for the others keep every replica waiting on
+        # one thread; computed by each replica, they run in parallel and need no copies.
+        return (
+            self.reduce == "sum"
+            and not group.distributed
+            and group.size > 1
+            and all(d.type == "cpu" for d in group.devices)
+        )
+
+    def combine_each(
+        self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
+    ) -> Callable[[int], torch.Tensor] | None:
+        if any(b.device.type != "cpu" for b in buffers):
+            return None  # a CPU replica's tree may hold CUDA tensors: combine moves them
+        weight_sum = self._weight_sum(extras, group)  # checked once, in the last replica
+        scaling, size = self.scaling, len(buffers)
+
+        def result(r: int) -> torch.Tensor:
+            # The same operations in the same order on every replica: equal results, bit for
+            # bit, and each replica's is a new tensor of its own.
+            if scaling == "weighted_in":
+                return _weighted_sum(buffers, [w / weight_sum for w in extras], buffers[0].device)
+            total = buffers[0] + buffers[1]
+            for b in buffers[2:]:
+                total = total.add_(b)
+            if scaling == "mean":
+                return total.div_(size)
+            if scaling == "weighted_out":
+                return total.mul_(extras[r] / weight_sum)
+            return total
+
+        return result
+
+    def _weight_sum(self, extras: list[Any], group: _replica.CallGroup) -> float:
+        """The replicas' total weight (1.0 without weights), checked to be positive."""
+        if self.scaling not in ("weighted_in", "weighted_out"):
+            return 1.0
+        weight_sum = float(sum(extras))
+        if group.distributed:
+            weight_sum = float(_distributed.all_reduce(torch.tensor(weight_sum, dtype=torch.float64), "sum"))
+        if not weight_sum > 0:
+            raise ValueError(
+                f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
+            )
+        return weight_sum
 
 
 def _weighted_sum(
@@ -381,11 +440,15 @@ def _exchange(
     buffers: Sequence[torch.Tensor],
     extra: Any,
     layout: _Packed | None,
+    *,
+    defer: bool = False,
 ) -> list[torch.Tensor]:
     """Every replica's buffers in, this replica's result buffers out.
 
     ``layout`` (the packed tree, or None for a backward's cotangents, whose layout is the
-    forward's) lets the last replica name the leaf when the replicas' shapes differ.
+    forward's) lets the last replica name the leaf when the replicas' shapes differ. With
+    ``defer`` (the buffers are private: no one changes them while others read them), an op may
+    leave each replica to compute its own result after the exchange (``_Op.combine_each``).
     """
 
     def combine(payloads: list[tuple[Any, Sequence[torch.Tensor], Any]]) -> list[list[torch.Tensor]]:
@@ -399,16 +462,32 @@ def _exchange(
                 f"{next(s for s in shapes if s != shapes[0])} on another); under torch.func.vmap "
                 "every replica must map over the same number of rows"
             )
-        per_buffer = [
-            op.combine([p[1][b] for p in payloads], [p[2] for p in payloads], context.group)
-            for b in range(len(buffers))
-        ]
+        per_buffer: list[list[Any]] = []
+        for b in range(len(buffers)):
+            inputs, extras = [p[1][b] for p in payloads], [p[2] for p in payloads]
+            each = op.combine_each(inputs, extras, context.group) if defer else None
+            if each is None:
+                per_buffer.append(op.combine(inputs, extras, context.group))
+            else:
+                per_buffer.append([_Deferred(each, r) for r in range(len(payloads))])
         return [[results[r] for results in per_buffer] for r in range(len(payloads))]
 
     results, op.round = context.group.exchange(
         context.index, op.key(), (layout, tuple(buffers), extra), combine
     )
-    return results
+    return [r() if type(r) is _Deferred else r for r in results]
+
+
+class _Deferred:
+    """Replica ``index``'s result, to be computed by that replica (``_Op.combine_each``)."""
+
+    __slots__ = ("compute", "index")
+
+    def __init__(self, compute: Callable[[int], torch.Tensor], index: int) -> None:
+        self.compute, self.index = compute, index
+
+    def __call__(self) -> torch.Tensor:
+        return self.compute(self.index)
 
 
 class _Spmd(torch.autograd.Function):
@@ -493,7 +572,10 @@ def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_P
     packed = _Packed(tree, op.name, context.device)
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
-    results = _exchange(op, context, packed.buffers, extra, packed)
+    if op.defers(context.group):
+        results = _exchange(op, context, packed.private_buffers(), extra, packed, defer=True)
+    else:
+        results = _exchange(op, context, packed.buffers, extra, packed)
     # The results' graph spans every replica and is complete only when the call returns: a
     # backward through them from inside the replica must not start early. The hook sits on the
     # results' own nodes, which in-place ops on the results leave in place upstream.

@@ -10,12 +10,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 from helpers import cpus, finishes
 
 import fdp
-from fdp import _replica
+from fdp import _collectives, _replica
 
 N = 4
 
@@ -440,3 +441,72 @@ def test_weighted_pmean_of_a_tree_is_the_row_weighted_average(n: int) -> None:
     if n > 1:
         out["a"][0].add_(1.0)  # a replica changing its result in place changes no other
         torch.testing.assert_close(out["a"][1], expected["a"])
+
+
+# --- each replica computes its own sum (CPU replicas in one process) ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("reduce", "oracle"),
+    [
+        (lambda t: fdp.psum(t, "i"), lambda x: x.sum(0)),
+        (lambda t: fdp.pmean(t, "i"), lambda x: x.mean(0)),
+        (lambda t: fdp.pmean(t, "i", weight=2.0), lambda x: x.mean(0)),
+    ],
+    ids=["psum", "pmean", "weighted"],
+)
+@pytest.mark.parametrize("tree", ["one leaf", "several leaves"])
+def test_sums_are_equal_on_every_replica_bit_for_bit(reduce: Any, oracle: Any, tree: str) -> None:
+    """Each replica adds the buffers itself, in the same order: the results agree exactly with
+    each other, match the one-device reduction, and share memory with no other replica's."""
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    storages: dict[int, set[int]] = {}
+
+    @fdp.pmap(axis_name="i", devices=cpus(3), out_axes=fdp.PER_REPLICA)
+    def f(x: torch.Tensor) -> Any:
+        row = x[0]
+        out = reduce(row if tree == "one leaf" else {"a": row, "b": [2 * row[0], row.sum()]})
+        leaves = optree.tree_leaves(out, namespace="fdp")
+        storages[fdp.axis_index("i")] = {t.untyped_storage().data_ptr() for t in leaves}
+        return out
+
+    out = f(x)
+    total = oracle(x)
+    expected = total if tree == "one leaf" else {"a": total, "b": [2 * total[0], total.sum()]}
+    torch.testing.assert_close(fdp.unreplicate(out, 0), expected)
+    leaves = [optree.tree_leaves(fdp.unreplicate(out, r), namespace="fdp") for r in range(3)]
+    for r in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(leaves[0], leaves[r]))
+    assert not storages[0] & storages[1] and not storages[1] & storages[2] and not storages[0] & storages[2]
+
+
+def test_a_replica_changing_its_input_after_psum_does_not_change_another_replicas_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replica 0 returns from psum and zeroes its input in place before replica 1 has read it.
+
+    The replicas read each other's buffers after the exchange; a one-leaf tree's buffer would
+    be the leaf itself, so they must exchange copies.
+    """
+    zeroed = threading.Event()
+    compute = _collectives._Deferred.__call__
+
+    def late_for_replica_1(self: Any) -> torch.Tensor:
+        if self.index == 1:
+            assert zeroed.wait(10)
+        return compute(self)
+
+    monkeypatch.setattr(_collectives._Deferred, "__call__", late_for_replica_1)
+
+    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=fdp.PER_REPLICA)
+    def f(x: torch.Tensor) -> torch.Tensor:
+        mine = x[0].clone()
+        total = fdp.psum(mine, "i")
+        if fdp.axis_index("i") == 0:
+            mine.zero_()
+            zeroed.set()
+        return total
+
+    out = f(torch.tensor([[1.0, 2.0], [10.0, 20.0]]))
+    for r in range(2):
+        torch.testing.assert_close(fdp.unreplicate(out, r), torch.tensor([11.0, 22.0]))
