@@ -1,6 +1,7 @@
 """The caller's thread-local torch state, carried into the replica threads.
 
-Grad mode, inference mode, autocast and the default saved-tensor hooks are thread-local in torch.
+Grad mode, inference mode, autocast, the default saved-tensor hooks and the number of intra-op
+threads are thread-local in torch.
 A worker thread starts with none of them, so each task captures the caller's state and the
 worker enters it around the replica. ``nn.DataParallel`` carries only grad mode and the autocast
 *enabled* flag, so a bfloat16 autocast region runs in float16 on its replicas; here the dtype,
@@ -35,6 +36,9 @@ class ThreadState(NamedTuple):  # immutable, and cheap to build on every call
     autocast: tuple[tuple[str, torch.dtype], ...]
     autocast_cache: bool
     saved_tensors_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
+    # torch.set_num_threads: each thread keeps the value it had when it first ran a parallel
+    # kernel, so a worker started earlier would ignore a later call in the caller's thread.
+    num_threads: int
 
 
 def capture() -> ThreadState:
@@ -50,6 +54,7 @@ def capture() -> ThreadState:
         autocast=autocast,
         autocast_cache=torch.is_autocast_cache_enabled() if autocast else True,
         saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),  # type: ignore[attr-defined]
+        num_threads=torch.get_num_threads(),
     )
 
 
@@ -68,6 +73,8 @@ class applied:
 
     def __enter__(self) -> None:
         state = self._state
+        if torch.get_num_threads() != state.num_threads:
+            torch.set_num_threads(state.num_threads)  # kept: the worker follows its callers
         self._grad = torch.is_grad_enabled()
         if not (state.inference_mode or state.autocast or state.saved_tensors_hooks is not None):
             torch._C._set_grad_enabled(state.grad_enabled)

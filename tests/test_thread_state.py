@@ -1,4 +1,5 @@
-"""The caller's grad mode, inference mode, autocast (dtype too) and saved-tensor hooks reach every replica."""
+"""The caller's grad mode, inference mode, autocast (dtype too), saved-tensor hooks and intra-op
+thread count reach every replica."""
 
 from __future__ import annotations
 
@@ -120,3 +121,16 @@ def test_state_does_not_leak_into_the_next_call() -> None:
     seen.clear()
     f(torch.ones(2, 2))
     assert all(s["grad"] and not s["cpu_autocast"] for s in seen)
+
+
+def test_set_num_threads_after_the_workers_started_reaches_them() -> None:
+    """torch.set_num_threads holds per thread once a thread has run: the workers, started by an
+    earlier call, must follow the caller's later setting (docs advise 1 per CPU replica)."""
+    f = fdp.pmap(lambda x: torch.full((1,), float(torch.get_num_threads())), devices=cpus(3))
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1, 3, 1):
+            torch.set_num_threads(threads)
+            assert f(torch.zeros(3)).tolist() == [threads] * 3
+    finally:
+        torch.set_num_threads(before)
