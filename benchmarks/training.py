@@ -1,6 +1,6 @@
 """Training-step throughput (samples/s) on the same model and global batch, measured side by side.
 
-    python benchmarks/training.py [--model mlp|transformer|both] [--rounds 7] [--json training.json]
+    python benchmarks/training.py [--model mlp|transformer|both] [--rounds 7] [--compile] [--json F]
 
 Variants, interleaved round by round:
 
@@ -10,6 +10,11 @@ Variants, interleaved round by round:
 * ``fdp resident, torch.func (2 cpu)``: the same step with torch.func.grad;
 * ``fdp DataParallel (2 cpu)``: fdp.DataParallel with torch.optim;
 * ``DDP gloo (2 procs)``: DistributedDataParallel in 2 processes (kept alive, driven by pipes).
+
+With ``--compile``, two more, each compiled with torch.compile (inductor) before the timed rounds:
+
+* ``fdp resident, torch.func, compiled (2 cpu)``: the torch.func step with ``pmap(compile=True)``;
+* ``DDP gloo, compiled (2 procs)``: ``torch.compile`` of the DDP model, what a DDP user would do.
 
 Every variant gets the machine's cores the same way: one intra-op thread per replica.
 """
@@ -56,10 +61,12 @@ def make_batch(kind: str, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor
     return x, torch.randint(0, 10, (rows,), generator=g)
 
 
-def ddp_worker(rank: int, kind: str, store_path: str, conn: Any) -> None:
+def ddp_worker(rank: int, kind: str, store_path: str, conn: Any, compiled: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    model = nn.parallel.DistributedDataParallel(make_model(kind))
+    model: Any = nn.parallel.DistributedDataParallel(make_model(kind))
+    if compiled:
+        model = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = make_batch(kind)
     x, y = x.chunk(2)[rank], y.chunk(2)[rank]
@@ -81,14 +88,15 @@ def ddp_worker(rank: int, kind: str, store_path: str, conn: Any) -> None:
 class DDP:
     """Two DDP processes that run ``steps`` steps whenever asked."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, compiled: bool = False) -> None:
         self.folder = tempfile.mkdtemp()
         context = mp.get_context("spawn")
         pipes = [context.Pipe() for _ in range(2)]
         self.conns = [parent for parent, _ in pipes]
         self.procs = [
             context.Process(
-                target=ddp_worker, args=(r, kind, os.path.join(self.folder, "store"), pipes[r][1])
+                target=ddp_worker,
+                args=(r, kind, os.path.join(self.folder, "store"), pipes[r][1], compiled),
             )
             for r in range(2)
         ]
@@ -107,7 +115,7 @@ class DDP:
             p.join(30)
 
 
-def fdp_variants(kind: str) -> dict[str, Any]:
+def fdp_variants(kind: str, *, compiled: bool) -> dict[str, Any]:
     model = make_model(kind)
     x, y = make_batch(kind)
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -130,8 +138,10 @@ def fdp_variants(kind: str) -> dict[str, Any]:
         leaves = {k: v.requires_grad_() for k, v in p.items()}  # this replica's own copies
         return dict(zip(leaves, torch.autograd.grad(loss_fn(leaves, x, y), list(leaves.values()))))
 
-    def make_step(grad_fn: Any) -> Any:
-        @fdp.pmap(axis_name="b", devices=["cpu", "cpu"], split="balanced", out_axes=fdp.PER_REPLICA)
+    def make_step(grad_fn: Any, compile: bool = False) -> Any:
+        @fdp.pmap(
+            axis_name="b", devices=["cpu", "cpu"], split="balanced", out_axes=fdp.PER_REPLICA, compile=compile
+        )
         def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
             grads = fdp.pmean(grad_fn(state["params"], x, y), "b", weight=x.shape[0])
             updates, opt_state = opt.update(grads, state["opt"], state["params"])
@@ -154,31 +164,37 @@ def fdp_variants(kind: str) -> dict[str, Any]:
         F.cross_entropy(wrapped(x), y).backward()
         dp_opt.step()
 
-    return {
+    variants = {
         "single": single,
         "fdp resident (2 cpu)": make_step(autograd_grads),
         "fdp resident, torch.func (2 cpu)": make_step(torch.func.grad(loss_fn)),
         "fdp DataParallel (2 cpu)": data_parallel,
     }
+    if compiled:
+        variants["fdp resident, torch.func, compiled (2 cpu)"] = make_step(torch.func.grad(loss_fn), True)
+    return variants
 
 
-def measure(kind: str, rounds: int, steps: int) -> list[dict[str, Any]]:
-    variants = fdp_variants(kind)
-    ddp = DDP(kind)
+def measure(kind: str, rounds: int, steps: int, *, compiled: bool = False) -> list[dict[str, Any]]:
+    variants = fdp_variants(kind, compiled=compiled)
+    ddps = {"DDP gloo (2 procs)": DDP(kind)}
+    if compiled:
+        ddps["DDP gloo, compiled (2 procs)"] = DDP(kind, compiled=True)
     try:
-        ddp.run(3)  # warm-up
+        for ddp in ddps.values():
+            ddp.run(3)  # warm-up (and compilation)
         for fn in variants.values():
             for _ in range(3):
                 fn()
-        names = [*variants, "DDP gloo (2 procs)"]
+        names = [*variants, *ddps]
         samples: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             # The order rotates every round: a variant's threads (OpenMP's spin after a parallel
             # region, gloo's after a step) slow whichever variant follows it for a while, and a
             # fixed order would always hand that cost to the same one.
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                if name == "DDP gloo (2 procs)":
-                    samples[name].append(steps * BATCH / ddp.run(steps))
+                if name in ddps:
+                    samples[name].append(steps * BATCH / ddps[name].run(steps))
                     continue
                 # single: the whole machine's threads for one replica; fdp: one per replica
                 torch.set_num_threads(2 if name == "single" else 1)
@@ -188,7 +204,8 @@ def measure(kind: str, rounds: int, steps: int) -> list[dict[str, Any]]:
                     fn()
                 samples[name].append(steps * BATCH / (time.perf_counter() - start))
     finally:
-        ddp.close()
+        for ddp in ddps.values():
+            ddp.close()
     medians = {name: statistics.median(v) for name, v in samples.items()}
     return [
         {
@@ -209,11 +226,12 @@ def main() -> None:
     parser.add_argument("--model", choices=["mlp", "transformer", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="add the compiled variants")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
     for kind in ["mlp", "transformer"] if args.model == "both" else [args.model]:
-        rows += measure(kind, args.rounds, args.steps)
+        rows += measure(kind, args.rounds, args.steps, compiled=args.compile)
     print(table(rows, ["model", "variant", "samples_per_s", "vs_ddp", "vs_single"]))
     write_json(args.json, {"benchmark": "training", "batch": BATCH, "rows": rows})
 

@@ -45,6 +45,20 @@ __all__ = [
 
 # --- binding -----------------------------------------------------------------------------------
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager_under_compile(fn: _F) -> _F:
+    """Keeps a public collective out of ``torch.compile``'s graphs.
+
+    A collective waits on a condition variable for the other replicas' threads. Dynamo cannot
+    trace that (it would fall back to eager for the whole enclosing frame, then compile the
+    collective's internals as frames of their own and recompile them on every call). Disabled
+    recursively, a collective is one clean graph break: the compiled function runs its graph
+    up to the call, the collective runs eagerly, and a second graph takes over after it.
+    """
+    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+
 
 def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
     context = _replica.current()
@@ -59,6 +73,7 @@ def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
     return context
 
 
+@_eager_under_compile
 def axis_index(axis_name: Hashable) -> int:
     """This replica's index along the mapped axis: ``0 <= axis_index < axis_size``.
 
@@ -72,6 +87,7 @@ def axis_index(axis_name: Hashable) -> int:
     return context.group.offset + context.index
 
 
+@_eager_under_compile
 def axis_size(axis_name: Hashable) -> int:
     """The number of replicas that run along the mapped axis (not the number of devices).
 
@@ -590,6 +606,7 @@ def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_P
 # --- the public collectives --------------------------------------------------------------------
 
 
+@_eager_under_compile
 def psum(x: Any, axis_name: Hashable) -> Any:
     """Sums ``x`` over the replicas of ``axis_name``: every replica gets the total.
 
@@ -634,6 +651,7 @@ def _counts_for_bools(x: Any) -> Any:
     )
 
 
+@_eager_under_compile
 def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any:
     """Averages ``x`` over the replicas of ``axis_name``, optionally weighted.
 
@@ -683,6 +701,7 @@ def _check_floating(x: Any, caller: str) -> None:
             )
 
 
+@_eager_under_compile
 def pmax(x: Any, axis_name: Hashable) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
@@ -696,6 +715,7 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
     return packed.unpack(results)
 
 
+@_eager_under_compile
 def pmin(x: Any, axis_name: Hashable) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
 
@@ -709,6 +729,7 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
     return packed.unpack(results)
 
 
+@_eager_under_compile
 def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any:
     """Every replica's ``x``, on every replica.
 
@@ -755,6 +776,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     return packed.unpack(results, leaf_result)
 
 
+@_eager_under_compile
 def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     """Sends each replica's ``x`` to another: ``perm`` is a sequence of ``(source, destination)`` pairs.
 

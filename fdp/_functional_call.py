@@ -105,7 +105,8 @@ def functional_call(
     A drop-in for :func:`torch.func.functional_call` that any number of threads may call on the
     same module at once: the tensors are swapped into a private skeleton of the module, never
     into ``module`` itself. Works inside ``torch.func.grad``/``vmap`` and inside functions
-    mapped by :func:`fdp.pmap`.
+    mapped by :func:`fdp.pmap`, and under ``torch.compile``, where it traces to
+    :func:`torch.func.functional_call`, whose swap the compiler turns into graph inputs.
 
     Args:
         module: the module to call. It is not modified.
@@ -132,6 +133,13 @@ def functional_call(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functional_call: module must be a torch.nn.Module, got {type(module).__name__}")
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: dynamo compiles torch.func.functional_call's swap away (the
+        # graph takes the given tensors as inputs and never writes into the module), so it is
+        # thread-safe there, while the skeleton cache's lock would break the graph.
+        return torch.func.functional_call(
+            module, params, args, kwargs, tie_weights=tie_weights, strict=strict
+        )
     skeleton = _checkout(module)
     try:
         return torch.func.functional_call(

@@ -11,7 +11,7 @@ wires them together.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import optree
@@ -58,6 +58,7 @@ class Pmapped(Generic[P, R]):
         static_argnums: int | Sequence[int],
         split: _split.SplitRule,
         check_unmapped_outputs: bool,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fdp.pmap: fn must be callable, got {type(fn).__name__}: {fn!r}")
@@ -89,6 +90,9 @@ class Pmapped(Generic[P, R]):
             raise TypeError(f"{what}: static_argnums must be an int or ints, got {static_argnums!r}")
         self.static_argnums = argnums
         self.check_unmapped_outputs = bool(check_unmapped_outputs)
+        # With compile: what every replica calls (fn, or for a module a functional call of
+        # it), compiled once and shared by the replicas.
+        self._compiled = _compiled(self._call_module if self.is_module else fn, compile, what=what)
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
@@ -293,8 +297,11 @@ class Pmapped(Generic[P, R]):
         if statics:
             args = tuple(statics.get(k, a) for k, a in enumerate(args))
         if self.is_module:
-            return _functional_call.functional_call(self.fn, tree[0], args, kwargs)  # type: ignore[arg-type]
-        return self.fn(*args, **kwargs)
+            return (self._compiled or self._call_module)(tree[0], args, kwargs)
+        return (self._compiled or self.fn)(*args, **kwargs)
+
+    def _call_module(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _functional_call.functional_call(self.fn, params, args, kwargs)  # type: ignore[arg-type]
 
     def _check_unmodified(
         self,
@@ -313,6 +320,24 @@ class Pmapped(Generic[P, R]):
                     "the new value instead (for BatchNorm statistics, pass the buffers in and "
                     "return the updated ones), or map the argument."
                 )
+
+
+def _compiled(
+    target: Callable[..., Any], options: bool | Mapping[str, Any], *, what: str
+) -> Callable[..., Any] | None:
+    """``torch.compile(target, **options)`` for ``compile=True`` or a dict; None for False."""
+    if options is False:
+        return None
+    if options is not True and not isinstance(options, Mapping):
+        raise TypeError(
+            f"{what}: compile must be True, False or a dict of torch.compile options "
+            f"(e.g. {{'mode': 'max-autotune'}}), got {type(options).__name__}: {_short_repr(options)}"
+        )
+    kwargs = {} if options is True else dict(options)
+    try:
+        return torch.compile(target, **kwargs)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise type(err)(f"{what}: torch.compile rejected compile={_short_repr(kwargs)}: {err}") from err
 
 
 def _complete_state(module: nn.Module, params: Any) -> Any:
@@ -362,6 +387,7 @@ def pmap(
     static_argnums: int | Sequence[int] = (),
     split: _split.SplitRule = "chunk",
     check_unmapped_outputs: bool = False,
+    compile: bool | Mapping[str, Any] = False,
 ) -> Pmapped[P, R]: ...
 
 
@@ -378,6 +404,7 @@ def pmap(
     static_argnums: int | Sequence[int] = (),
     split: _split.SplitRule = "chunk",
     check_unmapped_outputs: bool = False,
+    compile: bool | Mapping[str, Any] = False,
 ) -> Callable[[Callable[P, R]], Pmapped[P, R]]: ...
 
 
@@ -393,6 +420,7 @@ def pmap(
     static_argnums: int | Sequence[int] = (),
     split: _split.SplitRule = "chunk",
     check_unmapped_outputs: bool = False,
+    compile: bool | Mapping[str, Any] = False,
 ) -> Pmapped[P, R] | Callable[[Callable[P, R]], Pmapped[P, R]]:
     """Maps ``fn`` over devices: splits the batch, runs one replica per device, joins the results.
 
@@ -434,6 +462,12 @@ def pmap(
             sizes that differ by at most one and never an empty shard. Default: ``"chunk"``.
         check_unmapped_outputs: check that outputs with ``out_axes`` ``None`` are equal on every
             replica, and raise ``ValueError`` if not. Default: ``False``.
+        compile: compile what every replica runs with :func:`torch.compile`, once, shared by
+            the replicas: ``True``, or a dict of ``torch.compile`` options (``backend``,
+            ``mode``, ``dynamic``, ...). The first call compiles; collectives are graph breaks
+            (they run eagerly between two graphs); a module is called through
+            :func:`torch.func.functional_call`, which the compiler makes thread-safe. See
+            ``docs/concepts.md`` for when it pays. Default: ``False``.
 
     Returns:
         A callable with ``fn``'s signature.
@@ -493,6 +527,7 @@ def pmap(
         static_argnums=static_argnums,
         split=split,
         check_unmapped_outputs=check_unmapped_outputs,
+        compile=compile,
     )
     if fn is None:
         return lambda f: Pmapped(f, **options)  # type: ignore[arg-type]

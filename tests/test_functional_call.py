@@ -189,3 +189,26 @@ def test_stateful_call_never_modifies_the_module() -> None:
     out, new = fdp.stateful_call(bn, dict(bn.named_parameters()), {}, (torch.randn(6, 3),))
     assert all(torch.equal(before[k], v) for k, v in bn.named_buffers())
     assert set(new) == set(before) and int(new["num_batches_tracked"]) == 1
+
+
+def test_under_torch_compile_it_is_one_graph_of_the_given_tensors() -> None:
+    """Traced, the call is torch.func.functional_call's: one graph whose inputs are the given
+    tensors (the skeleton cache's lock would break it), and the module keeps its own."""
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+    x = torch.randn(5, 3)
+    call = torch.compile(lambda p, x: 2 * fdp.functional_call(model, p, (x,)), backend=record)
+    try:
+        torch.testing.assert_close(call(params, x), 2 * torch.func.functional_call(model, params, (x,)))
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1  # the caller's code and the module's forward, unbroken
+    torch.testing.assert_close(dict(model.named_parameters()), before)

@@ -109,3 +109,22 @@ def test_collectives_data_parallel_and_resident_state_from_eight_threads() -> No
         for outputs in got[i]:
             for a, b in zip(outputs, expected[i]):
                 torch.testing.assert_close(a, b)
+
+
+def test_a_compiled_functional_call_from_eight_threads() -> None:
+    """Each thread's own weights, never another's: under torch.compile, fdp.functional_call's
+    swap of weights into the module happens only inside the compiled graph's inputs."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    weights = [{k: torch.randn_like(v) for k, v in model.named_parameters()} for _ in range(THREADS)]
+    x = torch.randn(3, 4)
+    expected = [torch.func.functional_call(model, p, (x,)) for p in weights]
+    call = torch.compile(lambda p, x: fdp.functional_call(model, p, (x,)), backend="aot_eager")
+    try:
+        call(weights[0], x)  # compiled once, before the threads race
+        got = run_in_threads(lambda i: [call(weights[i], x) for _ in range(50)])
+    finally:
+        torch._dynamo.reset()
+    for i in range(THREADS):
+        for out in got[i]:
+            torch.testing.assert_close(out, expected[i])
