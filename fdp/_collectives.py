@@ -311,12 +311,7 @@ class _AllReduce(_Op):
         # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
         # megabyte gradient's sum and its copies for the others keep every replica waiting on
         # one thread; computed by each replica, they run in parallel and need no copies.
-        return (
-            self.reduce == "sum"
-            and not group.distributed
-            and group.size > 1
-            and all(d.type == "cpu" for d in group.devices)
-        )
+        return self.reduce == "sum" and not group.distributed and all(d.type == "cpu" for d in group.devices)
 
     def combine_each(
         self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
@@ -325,6 +320,9 @@ class _AllReduce(_Op):
             return None  # a CPU replica's tree may hold CUDA tensors: combine moves them
         weight_sum = self._weight_sum(extras, group)  # checked once, in the last replica
         scaling, size = self.scaling, len(buffers)
+        if size == 1 and (scaling in ("none", "mean") or extras[0] / weight_sum == 1.0):
+            # One replica: the result has the value of its buffer, a private one: no copy.
+            return lambda r: buffers[0]
 
         def result(r: int) -> torch.Tensor:
             # The same operations in the same order on every replica: equal results, bit for

@@ -510,3 +510,25 @@ def test_a_replica_changing_its_input_after_psum_does_not_change_another_replica
     out = f(torch.tensor([[1.0, 2.0], [10.0, 20.0]]))
     for r in range(2):
         torch.testing.assert_close(fdp.unreplicate(out, r), torch.tensor([11.0, 22.0]))
+
+
+@pytest.mark.parametrize("reduce", [fdp.psum, fdp.pmean, lambda t, name: fdp.pmean(t, name, weight=3.0)])
+@pytest.mark.parametrize("tree", ["one leaf", "several leaves"])
+def test_one_replica_gets_its_value_in_memory_of_its_own(reduce: Any, tree: str) -> None:
+    """One replica's sum is its own value, handed back without arithmetic, in a buffer that is
+    not its input's: changing the result in place leaves the input alone."""
+    x = torch.randn(1, 6)
+
+    @fdp.pmap(axis_name="i", devices=cpus(1), out_axes=None)
+    def f(x: torch.Tensor) -> Any:
+        value = x[0] if tree == "one leaf" else {"a": x[0], "b": x[0, :2]}
+        out = reduce(value, "i")
+        for leaf in optree.tree_leaves(out, namespace="fdp"):
+            assert leaf.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+            leaf.add_(1.0)
+        return out
+
+    expected = x[0] + 1 if tree == "one leaf" else {"a": x[0] + 1, "b": x[0, :2] + 1}
+    before = x.clone()
+    torch.testing.assert_close(f(x), expected)
+    assert torch.equal(x, before)
