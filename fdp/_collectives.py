@@ -52,12 +52,27 @@ def _eager_under_compile(fn: _F) -> _F:
     """Keeps a public collective out of ``torch.compile``'s graphs.
 
     A collective waits on a condition variable for the other replicas' threads. Dynamo cannot
-    trace that (it would fall back to eager for the whole enclosing frame, then compile the
-    collective's internals as frames of their own and recompile them on every call). Disabled
-    recursively, a collective is one clean graph break: the compiled function runs its graph
-    up to the call, the collective runs eagerly, and a second graph takes over after it.
+    trace that: it would fall back to eager for the whole enclosing frame, then compile the
+    collective's internals as frames of their own and recompile them on every call. Marked
+    here as ``torch.compiler.disable`` would mark it, a collective is one clean graph break:
+    the compiled function runs its graph up to the call, the collective and everything it
+    calls run eagerly, and a second graph takes over after it.
+
+    ``torch.compiler.disable`` itself would wrap every call and import the compiler (seconds)
+    with fdp; the same two marks are set on ``fn`` directly instead, through the compiler's C
+    extension. On a torch without it, ``fn`` stays unmarked: compiled code around it still
+    runs correctly, with more graph breaks.
     """
-    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameAction.SKIP
+        # Frames of fn, and every frame they call, run as they are.
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older torch
+        return fn
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
+    return fn
 
 
 def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:

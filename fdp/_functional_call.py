@@ -91,6 +91,29 @@ def _release(module: nn.Module, skeleton: _Skeleton) -> None:
         _FREE.setdefault(module, []).append(skeleton)
 
 
+class private_module:
+    """A private skeleton of ``module`` for the block (see the module docstring): what is
+    swapped or assigned into it is seen by no other thread, and dropped at the end."""
+
+    __slots__ = ("_module", "_skeleton")
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def __enter__(self) -> nn.Module:
+        self._skeleton = _checkout(self._module)
+        return self._skeleton.root
+
+    def __exit__(self, *exc: object) -> None:
+        _release(self._module, self._skeleton)
+
+
+def swapped_call(module: nn.Module, params: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``torch.func.functional_call`` on ``module`` itself: for a private module (above), in
+    code that ``torch.compile`` compiles (graph breaks inside the forward included)."""
+    return torch.func.functional_call(module, params, args, kwargs)
+
+
 def functional_call(
     module: nn.Module,
     params: dict[str, Any] | Sequence[dict[str, Any]],
@@ -105,8 +128,11 @@ def functional_call(
     A drop-in for :func:`torch.func.functional_call` that any number of threads may call on the
     same module at once: the tensors are swapped into a private skeleton of the module, never
     into ``module`` itself. Works inside ``torch.func.grad``/``vmap`` and inside functions
-    mapped by :func:`fdp.pmap`, and under ``torch.compile``, where it traces to
-    :func:`torch.func.functional_call`, whose swap the compiler turns into graph inputs.
+    mapped by :func:`fdp.pmap`. Under ``torch.compile`` it traces to
+    :func:`torch.func.functional_call`, whose swap the compiler turns into graph inputs; the
+    module's forward must then compile without graph breaks (a break raises
+    ``torch._dynamo.exc.Unsupported`` naming it), and attributes that ``forward`` assigns on
+    ``self`` land on ``module``. ``fdp.pmap(module, compile=True)`` has neither limit.
 
     Args:
         module: the module to call. It is not modified.
@@ -133,13 +159,20 @@ def functional_call(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functional_call: module must be a torch.nn.Module, got {type(module).__name__}")
-    if torch.compiler.is_compiling():
-        # Traced by torch.compile: dynamo compiles torch.func.functional_call's swap away (the
-        # graph takes the given tensors as inputs and never writes into the module), so it is
-        # thread-safe there, while the skeleton cache's lock would break the graph.
-        return torch.func.functional_call(
-            module, params, args, kwargs, tie_weights=tie_weights, strict=strict
-        )
+    # torch.compiler.is_compiling() is True only while torch.compile traces this call, when the
+    # compiler is loaded (error_on_graph_break: torch >= 2.9; before, the skeleton path).
+    no_graph_breaks = (
+        getattr(torch._dynamo, "error_on_graph_break", None) if torch.compiler.is_compiling() else None
+    )
+    if no_graph_breaks is not None:
+        # Compiled in one piece, torch.func.functional_call's swap becomes graph inputs and
+        # never touches the module, so threads stay independent (the skeleton cache's lock
+        # would break the graph). A graph break inside it would make the swap real, into the
+        # shared module: refused, loudly, instead.
+        with no_graph_breaks(True):
+            return torch.func.functional_call(
+                module, params, args, kwargs, tie_weights=tie_weights, strict=strict
+            )
     skeleton = _checkout(module)
     try:
         return torch.func.functional_call(

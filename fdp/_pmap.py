@@ -90,9 +90,12 @@ class Pmapped(Generic[P, R]):
             raise TypeError(f"{what}: static_argnums must be an int or ints, got {static_argnums!r}")
         self.static_argnums = argnums
         self.check_unmapped_outputs = bool(check_unmapped_outputs)
-        # With compile: what every replica calls (fn, or for a module a functional call of
-        # it), compiled once and shared by the replicas.
-        self._compiled = _compiled(self._call_module if self.is_module else fn, compile, what=what)
+        # With compile: what every replica calls, compiled once and shared by the replicas: fn,
+        # or for a module a functional call into a private skeleton of it (made outside the
+        # compiled code, so that graph breaks in forward swap tensors into no shared module).
+        self._compiled = _compiled(
+            _functional_call.swapped_call if self.is_module else fn, compile, what=what
+        )
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
@@ -296,12 +299,12 @@ class Pmapped(Generic[P, R]):
         args, kwargs = tree[-2], tree[-1]
         if statics:
             args = tuple(statics.get(k, a) for k, a in enumerate(args))
-        if self.is_module:
-            return (self._compiled or self._call_module)(tree[0], args, kwargs)
-        return (self._compiled or self.fn)(*args, **kwargs)
-
-    def _call_module(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _functional_call.functional_call(self.fn, params, args, kwargs)  # type: ignore[arg-type]
+        if not self.is_module:
+            return (self._compiled or self.fn)(*args, **kwargs)
+        if self._compiled is None:
+            return _functional_call.functional_call(self.fn, tree[0], args, kwargs)  # type: ignore[arg-type]
+        with _functional_call.private_module(self.fn) as module:  # type: ignore[arg-type]
+            return self._compiled(module, tree[0], args, kwargs)
 
     def _check_unmodified(
         self,
@@ -466,8 +469,9 @@ def pmap(
             the replicas: ``True``, or a dict of ``torch.compile`` options (``backend``,
             ``mode``, ``dynamic``, ...). The first call compiles; collectives are graph breaks
             (they run eagerly between two graphs); a module is called through
-            :func:`torch.func.functional_call`, which the compiler makes thread-safe. See
-            ``docs/concepts.md`` for when it pays. Default: ``False``.
+            :func:`torch.func.functional_call` on a private copy of its structure, so graph
+            breaks in its ``forward`` are safe. See ``docs/concepts.md`` for when it pays.
+            Default: ``False``.
 
     Returns:
         A callable with ``fn``'s signature.

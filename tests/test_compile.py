@@ -92,6 +92,35 @@ def test_a_compiled_module_matches_eager_with_gradients_and_is_left_alone() -> N
     assert set(model.__dict__) == attributes
 
 
+class Recorder(nn.Module):
+    """A layer whose forward breaks the graph (a collective) and assigns attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.calls += 1  # lands on a private copy, as in eager fdp
+        return self.lin(h * fdp.pmean(h.mean(), "i"))
+
+
+def test_graph_breaks_in_a_modules_forward_touch_no_shared_module() -> None:
+    """The collective breaks forward's graph, so the parameter swap around it is real: it goes
+    into each replica's private copy of the module, never into the module both replicas share."""
+    model = Recorder()
+    weight = model.lin.weight
+    eager = fdp.pmap(model, axis_name="i", devices=cpus(2))
+    compiled = fdp.pmap(model, axis_name="i", devices=cpus(2), compile=AOT_EAGER)
+    x = torch.randn(8, 4)
+    for scale in (1.0, 2.0, 3.0, 4.0):
+        params = {k: v.detach() * scale for k, v in model.named_parameters()}
+        torch.testing.assert_close(compiled(params, x), eager(params, x))
+        assert model.lin.weight is weight
+    assert model.calls == 0
+
+
 def test_a_compiled_training_step_with_inductor_matches_eager() -> None:
     """The default backend end to end: torch.func.grad, pmean of the gradients, an optimizer
     update, state resident on 2 replicas, over uneven shards."""

@@ -212,3 +212,29 @@ def test_under_torch_compile_it_is_one_graph_of_the_given_tensors() -> None:
         torch._dynamo.reset()
     assert len(graphs) == 1  # the caller's code and the module's forward, unbroken
     torch.testing.assert_close(dict(model.named_parameters()), before)
+
+
+def test_under_torch_compile_a_graph_break_in_forward_is_refused() -> None:
+    """Broken, the compiled call would swap the given tensors into the module that other
+    threads use: torch.compile raises instead, and the module keeps its own tensors."""
+    torch._dynamo.reset()
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h * 2 if h.sum() > 0 else h  # data-dependent: a graph break
+
+    model = Branchy()
+    weight = model.lin.weight
+    params = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+    call = torch.compile(lambda p, x: fdp.functional_call(model, p, (x,)), backend="eager")
+    try:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="Data-dependent branching"):
+            call(params, torch.randn(2, 3))
+    finally:
+        torch._dynamo.reset()
+    assert model.lin.weight is weight
