@@ -63,16 +63,26 @@ def _eager_under_compile(fn: _F) -> _F:
     extension. On a torch without it, ``fn`` stays unmarked: compiled code around it still
     runs correctly, with more graph breaks.
     """
+    if _never_compiled(fn):
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
+    return fn
+
+
+def _never_compiled(fn: Callable[..., Any]) -> bool:
+    """Has dynamo run frames of ``fn``, and every Python frame they call, as they are.
+
+    Also for functions that torch calls from C++ inside a collective (an autograd Function's
+    forward and backward, under ``torch.func.grad`` in compiled code): a skip does not reach
+    through C++ frames. False on a torch without the C extension's strategy (before 2.6).
+    """
     try:
         from torch._C._dynamo import eval_frame
 
         skip = eval_frame._FrameAction.SKIP
-        # Frames of fn, and every frame they call, run as they are.
         eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - older torch
-        return fn
-    fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
-    return fn
+        return False
+    return True
 
 
 def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
@@ -578,6 +588,10 @@ class _Spmd(torch.autograd.Function):
             for b, d in zip(buffers, in_dims[4:])
         ]
         return _Spmd.apply(op, context, extra, layout, *moved), (op.out_dim,) * len(buffers)
+
+
+for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.vmap):
+    _never_compiled(_method)
 
 
 def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:

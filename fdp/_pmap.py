@@ -11,6 +11,7 @@ wires them together.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -94,7 +95,7 @@ class Pmapped(Generic[P, R]):
         # or for a module a functional call into a private skeleton of it (made outside the
         # compiled code, so that graph breaks in forward swap tensors into no shared module).
         self._compiled = _compiled(
-            _functional_call.swapped_call if self.is_module else fn, compile, what=what
+            _own_code(_functional_call.swapped_call) if self.is_module else fn, compile, what=what
         )
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
@@ -341,6 +342,14 @@ def _compiled(
         return torch.compile(target, **kwargs)
     except (TypeError, ValueError, RuntimeError) as err:
         raise type(err)(f"{what}: torch.compile rejected compile={_short_repr(kwargs)}: {err}") from err
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and its limit on
+    recompilations, per code object: every pmapped module would otherwise share one."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def _complete_state(module: nn.Module, params: Any) -> Any:

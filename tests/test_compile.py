@@ -35,9 +35,11 @@ class GraphRecorder:
 
     def __init__(self) -> None:
         self.graphs: set[frozenset[Any]] = set()
+        self.calls = 0  # graphs compiled, repeats included
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.graphs.add(frozenset(n.target for n in gm.graph.nodes if n.op == "call_function"))
+        self.calls += 1
         return gm.forward
 
 
@@ -51,6 +53,26 @@ def test_a_collective_is_one_graph_break() -> None:
     # shards [0, 1] and [2, 3]: every replica gets 3 * [0 + 2, 1 + 3] + 1
     torch.testing.assert_close(f(torch.arange(4.0)), torch.tensor([7.0, 13.0, 7.0, 13.0]))
     assert recorder.graphs == {frozenset({operator.mul}), frozenset({operator.add})}
+
+
+def test_collectives_differentiated_inside_compiled_code_compile_nothing_new_per_call() -> None:
+    """Under torch.func.grad, torch calls the collective's autograd Function from C++, out of
+    reach of the mark on psum: its frames carry the mark too, or dynamo would compile them
+    again on every call (their guards see new objects each time)."""
+    recorder = GraphRecorder()
+
+    def g(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda w: fdp.psum((w * x).sum(), "i"))(w) * 2
+
+    options: dict[str, Any] = {"axis_name": "i", "in_axes": (None, 0), "devices": cpus(2)}
+    mapped = fdp.pmap(g, **options, compile={"backend": recorder})
+    w, x = torch.ones(3), torch.arange(12.0).reshape(4, 3)
+    expected = fdp.pmap(g, **options)(w, x)
+    counts = []
+    for _ in range(5):
+        torch.testing.assert_close(mapped(w, x), expected)
+        counts.append(recorder.calls)
+    assert counts[1] == counts[-1], counts
 
 
 def test_compiled_results_equal_eager_ones_for_every_collective() -> None:
@@ -119,6 +141,18 @@ def test_graph_breaks_in_a_modules_forward_touch_no_shared_module() -> None:
         torch.testing.assert_close(compiled(params, x), eager(params, x))
         assert model.lin.weight is weight
     assert model.calls == 0
+
+
+def test_every_pmapped_module_gets_its_own_compilation_budget() -> None:
+    """dynamo allows 8 compilations per code object, then runs it eagerly without a word: the
+    functional call that every pmapped module compiles must not be one code object for all."""
+    recorder = GraphRecorder()
+    x = torch.ones(4, 3)
+    for width in range(2, 12):
+        model = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 2))
+        before = recorder.calls
+        fdp.pmap(model, devices=cpus(2), compile={"backend": recorder})(dict(model.named_parameters()), x)
+        assert recorder.calls > before, f"the model of width {width} ran uncompiled"
 
 
 def test_a_compiled_training_step_with_inductor_matches_eager() -> None:
