@@ -3,6 +3,7 @@ machine hits all of them alike; the report is the median per variant and ratios 
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -29,6 +30,18 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def arguments(doc: str | None, *, rounds: int | None) -> argparse.ArgumentParser:
+    """A script's parser with the options every benchmark has: ``--json FILE``, and ``--rounds``
+    when it times rounds (default ``rounds``). Scripts add their own options to it."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if rounds is not None:
+        parser.add_argument(
+            "--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})"
+        )
+    parser.add_argument("--json", help="also write the results, with the machine, to this JSON file")
+    return parser
 
 
 def interleaved(

@@ -15,12 +15,11 @@ directly and pmapped on one CPU replica.
 
 from __future__ import annotations
 
-import argparse
 import threading
 from typing import Any
 
 import torch
-from _harness import interleaved, table, write_json
+from _harness import arguments, interleaved, table, write_json
 
 import fdp
 from fdp import _pool
@@ -85,11 +84,7 @@ def training_step_rows(rounds: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--json")
+    parser = arguments(__doc__, rounds=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
     identity = lambda x: x  # noqa: E731

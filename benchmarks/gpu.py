@@ -11,13 +11,13 @@ plain device-to-device copy of the same bytes (host-to-device when there is one 
 
 from __future__ import annotations
 
-import argparse
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _harness import interleaved, table, write_json
+from _harness import arguments, interleaved, table, write_json
 from torch import nn
 
 import fdp
@@ -38,19 +38,23 @@ def make(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model.cuda(), x, torch.randint(0, 10, (x.shape[0],), device="cuda")
 
 
+def module_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """The usual step of a module-based trainer: zero the grads, backward, SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
 def steps(kind: str) -> dict[str, Any]:
     model, x, y = make(kind)
     variants: dict[str, Any] = {}
 
-    plain = copy.deepcopy(model)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-
-    def plain_step() -> None:
-        plain_opt.zero_grad()
-        F.cross_entropy(plain(x), y).backward()
-        plain_opt.step()
-
-    variants["plain cuda:0"] = plain_step
+    variants["plain cuda:0"] = module_step(copy.deepcopy(model), x, y)
 
     opt = optim.sgd(0.01)
     for devices in (["cuda:0"], ["cuda:0", "cuda:0"]):
@@ -73,25 +77,11 @@ def steps(kind: str) -> dict[str, Any]:
         variants[f"fdp resident {devices}"] = resident
 
         wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=devices)
-        wrapped_opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
-
-        def data_parallel(wrapped: nn.Module = wrapped, wrapped_opt: Any = wrapped_opt) -> None:
-            wrapped_opt.zero_grad()
-            F.cross_entropy(wrapped(x), y).backward()
-            wrapped_opt.step()
-
-        variants[f"fdp.DataParallel {devices}"] = data_parallel
+        variants[f"fdp.DataParallel {devices}"] = module_step(wrapped, x, y)
 
     for ids in ([0], list(range(torch.cuda.device_count()))) if torch.cuda.device_count() > 1 else ([0],):
         legacy = nn.DataParallel(copy.deepcopy(model), device_ids=ids)
-        legacy_opt = torch.optim.SGD(legacy.parameters(), lr=0.01)
-
-        def legacy_step(legacy: nn.Module = legacy, legacy_opt: Any = legacy_opt) -> None:
-            legacy_opt.zero_grad()
-            F.cross_entropy(legacy(x), y).backward()
-            legacy_opt.step()
-
-        variants[f"nn.DataParallel {ids}"] = legacy_step
+        variants[f"nn.DataParallel {ids}"] = module_step(legacy, x, y)
     return variants
 
 
@@ -113,11 +103,7 @@ def bandwidth(rounds: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--json")
+    parser = arguments(__doc__, rounds=9)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")

@@ -8,16 +8,15 @@ tests/test_soak.py runs the short variant (10 000 calls) in CI.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import os
 import threading
 import time
 from typing import Any
 
 import torch
+from _harness import arguments, write_json
 from torch import nn
 
 import fdp
@@ -82,20 +81,15 @@ def soak(calls: int, warmup: int = 500) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__, rounds=None)
     parser.add_argument("--calls", type=int, default=200_000)
-    parser.add_argument("--json", help="where to write the result")
     args = parser.parse_args()
     result = soak(args.calls)
     print(f"{'':12}{'before':>12}{'after':>12}")
     for key in result["before"]:
         print(f"{key:12}{result['before'][key]:>12}{result['after'][key]:>12}")
     print(f"{result['calls']} calls in {result['seconds']} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, {"benchmark": "soak", **result})
 
 
 if __name__ == "__main__":

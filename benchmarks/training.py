@@ -21,7 +21,6 @@ Every variant gets the machine's cores the same way: one intra-op thread per rep
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _harness import table, write_json
+from _harness import arguments, table, write_json
 from torch import nn
 
 import fdp
@@ -220,14 +219,10 @@ def measure(kind: str, rounds: int, steps: int, *, compiled: bool = False) -> li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__, rounds=7)
     parser.add_argument("--model", choices=["mlp", "transformer", "both"], default="both")
-    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="add the compiled variants")
-    parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
     for kind in ["mlp", "transformer"] if args.model == "both" else [args.model]:

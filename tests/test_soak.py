@@ -4,6 +4,7 @@ caches or memory. The long variant is benchmarks/soak.py."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,7 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_soak():
     spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # for its `from _harness import ...`
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     return module
 
 

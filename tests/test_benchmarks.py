@@ -1,0 +1,71 @@
+"""The benchmark scripts stay runnable: each one, at its smallest, runs and writes its JSON.
+
+This times nothing (speed is read off the scripts' own side-by-side ratios, never asserted in a
+test); it fails when a script breaks, e.g. on a change of fdp's API.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(out.read_text())
+    assert payload["machine"]["torch"] == torch.__version__
+    return payload
+
+
+def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
+    rows = run_script("dispatch", "--rounds", "1", tmp_path=tmp_path)["rows"]
+    measured = {(row["input"], row["variant"]) for row in rows}
+    for given in ("1 tensor", "100 leaves", "1000 leaves"):
+        assert {(given, f"{n} replicas") for n in (1, 2, 4)} <= measured
+    assert ("1000 leaves", "bare chunk+cat (2)") in measured
+    assert ("~1 ms step", "1 replicas") in measured
+    assert all(row["us_per_call"] > 0 for row in rows)
+
+
+def test_training_measures_fdp_beside_ddp(tmp_path: Path) -> None:
+    payload = run_script("training", "--model", "mlp", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
+    variants = {row["variant"] for row in payload["rows"]}
+    assert {"single", "fdp resident (2 cpu)", "fdp DataParallel (2 cpu)", "DDP gloo (2 procs)"} <= variants
+    assert all(row["samples_per_s"] > 0 for row in payload["rows"])
+
+
+def test_soak_reports_before_and_after(tmp_path: Path) -> None:
+    payload = run_script("soak", "--calls", "200", tmp_path=tmp_path)
+    assert payload["calls"] == 200
+    assert payload["before"].keys() == payload["after"].keys()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the script runs in full")
+def test_gpu_script_says_it_needs_cuda() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert "benchmarks/gpu.py needs a CUDA device" in result.stderr
+
+
+@pytest.mark.cuda
+def test_gpu_script_runs(tmp_path: Path) -> None:
+    payload = run_script("gpu", "--rounds", "1", tmp_path=tmp_path)
+    assert {row["variant"] for row in payload["steps"]} >= {"plain cuda:0", "fdp resident ['cuda:0']"}
+    assert all(row["GB_per_s"] > 0 for row in payload["transfers"])
