@@ -4,8 +4,9 @@
 
 Needs a CUDA device. Step time (ms) for one training step of an MLP and a small transformer on:
 the plain module on ``cuda:0``; ``fdp.pmap`` with resident state and ``fdp.DataParallel`` on
-``["cuda:0"]`` and on two replicas of ``cuda:0``; ``nn.DataParallel`` on ``[0]`` (and on every
-GPU when there are several). Bandwidth (GB/s) of ``fdp.scatter`` and ``fdp.replicate`` against a
+``["cuda:0"]`` and on two replicas of ``cuda:0``; ``nn.DataParallel`` on ``[0]``, on ``[0, 0]``
+(reported as unsupported, with torch's error, if this torch refuses a device twice) and on every
+GPU when there are several. Bandwidth (GB/s) of ``fdp.scatter`` and ``fdp.replicate`` against a
 plain device-to-device copy of the same bytes (host-to-device when there is one GPU).
 """
 
@@ -50,9 +51,11 @@ def module_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def steps(kind: str) -> dict[str, Any]:
+def steps(kind: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The timed step of every variant, and the variants that failed to run (with the error)."""
     model, x, y = make(kind)
     variants: dict[str, Any] = {}
+    unsupported: dict[str, str] = {}
 
     variants["plain cuda:0"] = module_step(copy.deepcopy(model), x, y)
 
@@ -79,10 +82,17 @@ def steps(kind: str) -> dict[str, Any]:
         wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=devices)
         variants[f"fdp.DataParallel {devices}"] = module_step(wrapped, x, y)
 
-    for ids in ([0], list(range(torch.cuda.device_count()))) if torch.cuda.device_count() > 1 else ([0],):
-        legacy = nn.DataParallel(copy.deepcopy(model), device_ids=ids)
-        variants[f"nn.DataParallel {ids}"] = module_step(legacy, x, y)
-    return variants
+    several = [list(range(torch.cuda.device_count()))] if torch.cuda.device_count() > 1 else []
+    for ids in ([0], [0, 0], *several):
+        legacy = module_step(nn.DataParallel(copy.deepcopy(model), device_ids=ids), x, y)
+        try:
+            legacy()
+            torch.cuda.synchronize()
+        except Exception as err:  # noqa: BLE001 - reported in the table instead of timed
+            unsupported[f"nn.DataParallel {ids}"] = f"{type(err).__name__}: {err}".splitlines()[0]
+            continue
+        variants[f"nn.DataParallel {ids}"] = legacy
+    return variants, unsupported
 
 
 def bandwidth(rounds: int) -> list[dict[str, Any]]:
@@ -109,13 +119,15 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")
     rows = []
     for kind in ("mlp", "transformer"):
-        times = interleaved(steps(kind), calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
+        variants, unsupported = steps(kind)
+        times = interleaved(variants, calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
         base = times["plain cuda:0"]
         rows += [
             {"model": kind, "variant": n, "ms_per_step": t * 1e3, "vs_plain": t / base}
             for n, t in times.items()
         ]
-    print(table(rows, ["model", "variant", "ms_per_step", "vs_plain"]))
+        rows += [{"model": kind, "variant": n, "note": why} for n, why in unsupported.items()]
+    print(table(rows, ["model", "variant", "ms_per_step", "vs_plain", "note"]))
     transfers = bandwidth(args.rounds)
     print(table(transfers, ["transfer", "GB_per_s"]))
     write_json(args.json, {"benchmark": "gpu", "steps": rows, "transfers": transfers})
