@@ -26,6 +26,9 @@ __all__ = ["pmap", "Pmapped"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# How many input signatures a compiled pmap remembers having run on (see _first_compiled_run).
+_MAX_SIGNATURES = 64
+
 
 class _Plan:
     """What one input structure needs: the axis of every leaf."""
@@ -103,6 +106,8 @@ class Pmapped(Generic[P, R]):
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
         self._timing = _pool.Timing()  # how long replicas run: small ones run inline
+        # Inputs the compiled function has run on (structure, and every leaf's shape and type).
+        self._compiled_signatures: set[Any] = set()
         if not self.is_module:
             # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
             functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
@@ -227,10 +232,28 @@ class Pmapped(Generic[P, R]):
             if any(d.type == "cuda" for d in scattered.devices)
             else None,
             timing=self._timing,
+            take_turns=self._compiled is not None and self._first_compiled_run(treespec, leaves),
         )
         if versions is not None:
             self._check_unmodified(scattered, versions, parts, roots)
         return outputs, scattered.devices
+
+    def _first_compiled_run(self, treespec: optree.PyTreeSpec, leaves: list[Any]) -> bool:
+        """Whether the compiled function meets inputs like these for the first time (so dynamo
+        compiles, and the replicas take turns: see :class:`fdp._replica.Turnstile`)."""
+        signature = (
+            treespec,
+            tuple(
+                (t.shape, t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
+                for t in leaves
+            ),
+        )
+        if signature in self._compiled_signatures:
+            return False
+        if len(self._compiled_signatures) >= _MAX_SIGNATURES:
+            self._compiled_signatures.clear()  # bounded: forgetting costs one call in turns
+        self._compiled_signatures.add(signature)
+        return True
 
     def _paths(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> list[str]:
         """Every input leaf's key path, for messages (``rename_paths`` may rewrite them)."""

@@ -26,6 +26,7 @@ other replicas raised. The workers are unaffected and serve the next call.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import queue
 import threading
@@ -303,10 +304,13 @@ def run_replicas(
     caller: str,
     inputs: Sequence[Sequence[torch.Tensor]] | None = None,
     timing: Timing | None = None,
+    take_turns: bool = False,
 ) -> list[Any]:
     """Runs ``replicas[i]()`` as replica ``i`` on ``devices[i]`` and returns their results.
 
-    ``inputs[i]`` are the tensors replica ``i`` was given (for CUDA stream bookkeeping).
+    ``inputs[i]`` are the tensors replica ``i`` was given (for CUDA stream bookkeeping). With
+    ``take_turns``, one replica at a time runs between collectives (a compiled function's
+    first run: see :class:`fdp._replica.Turnstile`).
 
     Replica 0 runs in the calling thread, the others on workers. Waking a sleeping worker costs
     tens to hundreds of microseconds, more than a small replica takes, so on CPU the caller
@@ -328,6 +332,9 @@ def run_replicas(
     devices = tuple(devices[:n])
     rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _call_group(n, devices, axis_name)
+    if take_turns:
+        group.turnstile = _replica.Turnstile(n)
+        replicas = [functools.partial(_in_turn, group, i, r) for i, r in enumerate(replicas)]
     state = _thread_state.capture()
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -491,6 +498,15 @@ def _call_group(n: int, devices: tuple[torch.device, ...], axis_name: Hashable |
         group.offset, group.global_size, group.counts = _distributed.global_layout(n)
         group.distributed = True
     return group
+
+
+def _in_turn(group: _replica.CallGroup, index: int, replica: Callable[[], Any]) -> Any:
+    assert group.turnstile is not None
+    group.turnstile.enter(index, group)
+    try:
+        return replica()
+    finally:
+        group.turnstile.leave(index)
 
 
 def run_one(

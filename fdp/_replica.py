@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallGroup", "ReplicaContext", "ReplicaAborted", "current", "entered"]
+__all__ = ["CallGroup", "ReplicaContext", "ReplicaAborted", "Turnstile", "current", "entered"]
 
 
 class ReplicaAborted(RuntimeError):
@@ -69,6 +69,7 @@ class CallGroup:
         "_rounds",
         "_next",
         "before_wait",
+        "turnstile",
     )
 
     def __init__(self, size: int, devices: Sequence[torch.device]) -> None:
@@ -93,6 +94,8 @@ class CallGroup:
         # Set while the other replicas have not been handed to their workers (the pool runs
         # small replicas inline): the first replica to enter an exchange hands them over.
         self.before_wait: Callable[[], None] | None = None
+        # Set when the replicas must take turns outside collectives (see Turnstile).
+        self.turnstile: Turnstile | None = None
 
     def exchanges(self, index: int) -> int:
         """How many exchanges replica ``index`` has entered so far."""
@@ -136,6 +139,23 @@ class CallGroup:
         if hand_over is not None:
             self.before_wait = None
             hand_over()
+        turnstile = self.turnstile
+        if turnstile is None:
+            return self._exchange(index, what, payload, combine)
+        # Waiting for the others needs them to run: give up the turn, and take it back only
+        # when returning normally (an error leaves without it, so nothing waits on the way out).
+        turnstile.leave(index)
+        result = self._exchange(index, what, payload, combine)
+        turnstile.enter(index, self)
+        return result
+
+    def _exchange(
+        self,
+        index: int,
+        what: Hashable,
+        payload: Any,
+        combine: Callable[[list[Any]], list[Any]],
+    ) -> tuple[Any, int]:
         with self.lock:
             number = self._next[index]
             self._next[index] += 1
@@ -219,6 +239,41 @@ def _describe(what: Hashable) -> str:
             return f"{what[0]} (the backward of collective #{what[-1]})"
         return str(what[0])
     return str(what)
+
+
+class Turnstile:
+    """Lets one replica at a time run between collectives.
+
+    For a compiled function's first run on an input signature: dynamo checks its cache before
+    it takes its compile lock, so replicas that enter a frame together would each compile it
+    (N compilations, and past ``torch._dynamo.config.recompile_limit`` a fallback to eager
+    with warnings). Taking turns, the first replica compiles each frame and the others find it
+    compiled. A replica holds its turn while it runs its function and gives it up inside every
+    collective, so replicas still meet there; a failed call releases everyone.
+    """
+
+    __slots__ = ("_lock", "_held")
+
+    def __init__(self, size: int) -> None:
+        self._lock = threading.Lock()
+        self._held = [False] * size
+
+    def enter(self, index: int, group: CallGroup) -> None:
+        """Waits for replica ``index``'s turn; raises :class:`ReplicaAborted` if the call fails."""
+        # Polled: a replica that failed while holding the turn (an interrupt) must not leave the
+        # others waiting forever.
+        while not self._lock.acquire(timeout=0.05):
+            if group.failed is not None:
+                raise ReplicaAborted(
+                    f"replica {index} was waiting for its turn when replica {group.failed_index} failed"
+                )
+        self._held[index] = True
+
+    def leave(self, index: int) -> None:
+        """Ends replica ``index``'s turn, if it has one."""
+        if self._held[index]:
+            self._held[index] = False
+            self._lock.release()
 
 
 class ReplicaContext:

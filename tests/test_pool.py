@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -319,3 +320,83 @@ def test_caller_runs_no_more_replicas_once_the_call_failed(monkeypatch: pytest.M
     with pytest.raises(KeyError):
         mapped(torch.ones(3))
     assert ran == [0]  # inline: the others were never handed over, and are not run
+
+
+# --- taking turns (a compiled function's first run) ---------------------------------------------
+
+
+def _replicas_in_turns(n: int, body) -> list:
+    """Runs ``body(i)`` as replica i of n on the CPU with ``take_turns``, in a bounded time."""
+    replicas = [lambda i=i: body(i) for i in range(n)]
+    devices = [torch.device("cpu")] * n
+    return finishes(lambda: _pool.run_replicas(devices, replicas, axis_name="i", caller="t", take_turns=True))
+
+
+def test_replicas_taking_turns_never_overlap_between_collectives() -> None:
+    running: list[int] = []
+    overlaps: list[list[int]] = []
+    lock = threading.Lock()
+
+    def segment(i: int) -> None:
+        with lock:
+            running.append(i)
+            if len(running) > 1:
+                overlaps.append(list(running))
+        time.sleep(0.01)  # long enough for another replica to start, were it let in
+        with lock:
+            running.remove(i)
+
+    def body(i: int) -> torch.Tensor:
+        segment(i)
+        total = fdp.psum(torch.tensor(float(i)), "i")  # the replicas meet: they must all be let in
+        segment(i)
+        total = fdp.psum(total, "i")
+        segment(i)
+        return total
+
+    assert torch.stack(_replicas_in_turns(4, body)).tolist() == [24.0] * 4  # (0+1+2+3) * 4
+    assert overlaps == []
+
+
+def test_without_turns_the_same_replicas_do_overlap() -> None:
+    # The oracle for the test above: the segments are long enough to overlap when free to.
+    running: list[int] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def body(i: int) -> int:
+        with lock:
+            running.append(i)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.remove(i)
+        return i
+
+    replicas = [lambda i=i: body(i) for i in range(3)]
+    devices = [torch.device("cpu")] * 3
+    assert finishes(lambda: _pool.run_replicas(devices, replicas, caller="t")) == [0, 1, 2]
+    assert most[0] > 1
+
+
+def test_a_replica_failing_in_its_turn_releases_the_others() -> None:
+    def body(i: int) -> torch.Tensor:
+        if i == 2:
+            raise ValueError("replica 2 failed")
+        return fdp.psum(torch.ones(()), "i")
+
+    with pytest.raises(ValueError, match="replica 2 failed"):
+        _replicas_in_turns(3, body)
+
+
+def test_a_turn_lost_by_a_failed_replica_aborts_the_waiting_ones() -> None:
+    # A replica interrupted right after taking its turn could never give it back: the others
+    # must not wait for it forever once the call has failed.
+    from fdp import _replica
+
+    group = _replica.CallGroup(2, (torch.device("cpu"),) * 2)
+    turnstile = _replica.Turnstile(2)
+    turnstile._lock.acquire()  # taken, and never to be given back
+    group.abort(0, KeyboardInterrupt())
+    with pytest.raises(_replica.ReplicaAborted, match="waiting for its turn when replica 0 failed"):
+        finishes(lambda: turnstile.enter(1, group))
