@@ -16,7 +16,9 @@ With ``--compile``, two more, each compiled with torch.compile (inductor) before
 * ``fdp resident, torch.func, compiled (2 cpu)``: the torch.func step with ``pmap(compile=True)``;
 * ``DDP gloo, compiled (2 procs)``: ``torch.compile`` of the DDP model, what a DDP user would do.
 
-Every variant gets the machine's cores the same way: one intra-op thread per replica.
+Every variant gets the machine's cores the same way: one intra-op thread per replica. Besides
+throughput, the table gives each variant's first 3 steps in seconds (untimed warm-up, where the
+compiled variants compile).
 """
 
 from __future__ import annotations
@@ -174,17 +176,29 @@ def fdp_variants(kind: str, *, compiled: bool) -> dict[str, Any]:
     return variants
 
 
+def threads(variant: str) -> None:
+    """The single process gets the machine's 2 threads for its one replica; fdp one per replica."""
+    torch.set_num_threads(2 if variant == "single" else 1)
+
+
 def measure(kind: str, rounds: int, steps: int, *, compiled: bool = False) -> list[dict[str, Any]]:
     variants = fdp_variants(kind, compiled=compiled)
     ddps = {"DDP gloo (2 procs)": DDP(kind)}
     if compiled:
         ddps["DDP gloo, compiled (2 procs)"] = DDP(kind, compiled=True)
+    warm_up: dict[str, float] = {}  # seconds for the first 3 steps, compilation included
     try:
-        for ddp in ddps.values():
-            ddp.run(3)  # warm-up (and compilation)
-        for fn in variants.values():
+        for name, ddp in ddps.items():
+            ddp.run(0)  # waits for the processes to start: not part of their first steps
+            start = time.perf_counter()
+            ddp.run(3)
+            warm_up[name] = time.perf_counter() - start
+        for name, fn in variants.items():
+            threads(name)  # as in the timed rounds: dynamo compiles for a thread count
+            start = time.perf_counter()
             for _ in range(3):
                 fn()
+            warm_up[name] = time.perf_counter() - start
         names = [*variants, *ddps]
         samples: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
@@ -195,8 +209,7 @@ def measure(kind: str, rounds: int, steps: int, *, compiled: bool = False) -> li
                 if name in ddps:
                     samples[name].append(steps * BATCH / ddps[name].run(steps))
                     continue
-                # single: the whole machine's threads for one replica; fdp: one per replica
-                torch.set_num_threads(2 if name == "single" else 1)
+                threads(name)
                 fn = variants[name]
                 start = time.perf_counter()
                 for _ in range(steps):
@@ -213,6 +226,7 @@ def measure(kind: str, rounds: int, steps: int, *, compiled: bool = False) -> li
             "samples_per_s": value,
             "vs_ddp": value / medians["DDP gloo (2 procs)"],
             "vs_single": value / medians["single"],
+            "first_3_steps_s": warm_up[name],
         }
         for name, value in medians.items()
     ]
@@ -227,7 +241,7 @@ def main() -> None:
     rows = []
     for kind in ["mlp", "transformer"] if args.model == "both" else [args.model]:
         rows += measure(kind, args.rounds, args.steps, compiled=args.compile)
-    print(table(rows, ["model", "variant", "samples_per_s", "vs_ddp", "vs_single"]))
+    print(table(rows, ["model", "variant", "samples_per_s", "vs_ddp", "vs_single", "first_3_steps_s"]))
     write_json(args.json, {"benchmark": "training", "batch": BATCH, "rows": rows})
 
 

@@ -11,7 +11,6 @@ wires them together.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -19,15 +18,12 @@ import optree
 import torch
 from torch import nn
 
-from . import _axes, _devices, _functional_call, _gather, _pool, _scatter, _split, _tree
+from . import _axes, _compile, _devices, _functional_call, _gather, _pool, _scatter, _split, _tree
 
 __all__ = ["pmap", "Pmapped"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-# How many input signatures a compiled pmap remembers having run on (see _first_compiled_run).
-_MAX_SIGNATURES = 64
 
 
 class _Plan:
@@ -97,8 +93,8 @@ class Pmapped(Generic[P, R]):
         # With compile: what every replica calls, compiled once and shared by the replicas: fn,
         # or for a module a functional call into a private skeleton of it (made outside the
         # compiled code, so that graph breaks in forward swap tensors into no shared module).
-        self._compiled = _compiled(
-            _own_code(_functional_call.swapped_call) if self.is_module else fn, compile, what=what
+        self._compiled = _compile.compiled(
+            _compile.own_code(_functional_call.swapped_call) if self.is_module else fn, compile, what=what
         )
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
@@ -106,8 +102,8 @@ class Pmapped(Generic[P, R]):
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
         self._timing = _pool.Timing()  # how long replicas run: small ones run inline
-        # Inputs the compiled function has run on (structure, and every leaf's shape and type).
-        self._compiled_signatures: set[Any] = set()
+        # When the replicas of the compiled function must take turns (while dynamo compiles).
+        self._turns = _compile.Turns() if self._compiled is not None else None
         if not self.is_module:
             # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
             functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
@@ -223,37 +219,24 @@ class Pmapped(Generic[P, R]):
             for row in scattered.leaves
         ]
         versions = [[_version(t) for t in copies] for _, copies in scattered.shared] if n > 1 else None
-        outputs = _pool.run_replicas(
-            scattered.devices,
-            replicas,
-            axis_name=self.axis_name,
-            caller=caller,
-            inputs=[[t for t in row if isinstance(t, torch.Tensor)] for row in scattered.leaves]
-            if any(d.type == "cuda" for d in scattered.devices)
-            else None,
-            timing=self._timing,
-            take_turns=self._compiled is not None and self._first_compiled_run(treespec, leaves),
-        )
+
+        def run(take_turns: bool = False) -> list[Any]:
+            return _pool.run_replicas(
+                scattered.devices,
+                replicas,
+                axis_name=self.axis_name,
+                caller=caller,
+                inputs=[[t for t in row if isinstance(t, torch.Tensor)] for row in scattered.leaves]
+                if any(d.type == "cuda" for d in scattered.devices)
+                else None,
+                timing=self._timing,
+                take_turns=take_turns,
+            )
+
+        outputs = run() if self._turns is None else self._turns.run(run, treespec, leaves)
         if versions is not None:
             self._check_unmodified(scattered, versions, parts, roots)
         return outputs, scattered.devices
-
-    def _first_compiled_run(self, treespec: optree.PyTreeSpec, leaves: list[Any]) -> bool:
-        """Whether the compiled function meets inputs like these for the first time (so dynamo
-        compiles, and the replicas take turns: see :class:`fdp._replica.Turnstile`)."""
-        signature = (
-            treespec,
-            tuple(
-                (t.shape, t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
-                for t in leaves
-            ),
-        )
-        if signature in self._compiled_signatures:
-            return False
-        if len(self._compiled_signatures) >= _MAX_SIGNATURES:
-            self._compiled_signatures.clear()  # bounded: forgetting costs one call in turns
-        self._compiled_signatures.add(signature)
-        return True
 
     def _paths(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> list[str]:
         """Every input leaf's key path, for messages (``rename_paths`` may rewrite them)."""
@@ -285,7 +268,7 @@ class Pmapped(Generic[P, R]):
                     raise TypeError(
                         f"{self._caller}: static arguments must be hashable, but static_argnums "
                         f"entry {i} is args[{position}] of type {type(value).__name__}: "
-                        f"{_short_repr(value)} ({err})"
+                        f"{_tree.short_repr(value)} ({err})"
                     ) from None
                 statics[position] = value
             # Static positions stay as None (an empty subtree) so key paths keep their indices.
@@ -349,32 +332,6 @@ class Pmapped(Generic[P, R]):
                 )
 
 
-def _compiled(
-    target: Callable[..., Any], options: bool | Mapping[str, Any], *, what: str
-) -> Callable[..., Any] | None:
-    """``torch.compile(target, **options)`` for ``compile=True`` or a dict; None for False."""
-    if options is False:
-        return None
-    if options is not True and not isinstance(options, Mapping):
-        raise TypeError(
-            f"{what}: compile must be True, False or a dict of torch.compile options "
-            f"(e.g. {{'mode': 'max-autotune'}}), got {type(options).__name__}: {_short_repr(options)}"
-        )
-    kwargs = {} if options is True else dict(options)
-    try:
-        return torch.compile(target, **kwargs)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise type(err)(f"{what}: torch.compile rejected compile={_short_repr(kwargs)}: {err}") from err
-
-
-def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and its limit on
-    recompilations, per code object: every pmapped module would otherwise share one."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
 def _complete_state(module: nn.Module, params: Any) -> Any:
     """``params`` plus the module's own parameters and buffers that it does not name.
 
@@ -402,11 +359,6 @@ def _complete_state(module: nn.Module, params: Any) -> Any:
 def _version(t: torch.Tensor) -> int:
     # Inference tensors keep no version counter; they cannot be modified outside inference mode.
     return -1 if t.is_inference() else t._version
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @overload

@@ -27,6 +27,7 @@ __all__ = [
     "unflatten",
     "flatten_with_paths",
     "describe",
+    "short_repr",
     "is_tensor",
 ]
 
@@ -234,3 +235,9 @@ def describe(value: object) -> str:
         dtype = str(value.dtype).removeprefix("torch.")
         return f"{dtype}[{','.join(str(s) for s in value.shape)}]"
     return type(value).__name__
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -76,6 +76,39 @@ def test_replicas_compile_each_piece_once_not_once_each(replicas: int) -> None:
     assert recorder.calls == 2
 
 
+def test_a_python_number_that_changes_per_call_is_recompiled_once_not_once_per_replica() -> None:
+    """An int input (an optimizer's step count) is compiled as a constant on the first call and
+    recompiled as a dynamic value on the second: the replicas take turns for that one too."""
+    recorder = GraphRecorder()
+    f = fdp.pmap(
+        lambda step, x: fdp.psum(x * step, "i") + step,
+        in_axes=(None, 0),
+        axis_name="i",
+        devices=cpus(12),
+        compile={"backend": recorder},
+    )
+    x = torch.arange(12.0)
+    counts = []
+    for step in range(5):
+        torch.testing.assert_close(f(step, x), (x.sum() * step + step).expand(12))
+        counts.append(recorder.calls)
+    assert counts == [2, 4, 4, 4, 4]  # both pieces as constants, then both as dynamic, then none
+
+
+def test_a_change_of_global_state_is_recompiled_once_not_once_per_replica() -> None:
+    recorder = GraphRecorder()
+    f = fdp.pmap(
+        lambda x: fdp.psum(x * 3, "i") + 1, axis_name="i", devices=cpus(12), compile={"backend": recorder}
+    )
+    x = torch.arange(12.0)
+    counts = []
+    for grad_enabled in (True, True, False, False):
+        with torch.set_grad_enabled(grad_enabled):  # dynamo guards on grad mode
+            torch.testing.assert_close(f(x), (3 * x.sum() + 1).expand(12))
+        counts.append(recorder.calls)
+    assert counts == [2, 2, 4, 4]
+
+
 def test_collectives_differentiated_inside_compiled_code_compile_nothing_new_per_call() -> None:
     """Under torch.func.grad, torch calls the collective's autograd Function from C++, out of
     reach of the mark on psum: its frames carry the mark too, or dynamo would compile them
