@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import optree
 import torch
 
-from . import _tree
+from . import _axes, _tree
 
 __all__ = ["compiled", "own_code", "Turns"]
 
@@ -54,52 +55,121 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Turns:
     """Whether the replicas of one compiled function should take turns in a call.
 
-    They do when dynamo is likely to compile: on inputs of a new structure, or with a leaf of a
-    new shape, dtype, device or ``requires_grad``; when torch's global state that dynamo guards
-    on (grad mode, thread count, default dtype, ...) changed since the last call; and after a
-    call in which dynamo compiled anything, until a call compiles nothing (a Python number
-    that changes between calls, e.g. an optimizer's step count, is recompiled once as a
-    dynamic value on the second call).
+    They do when dynamo is likely to compile, as far as that is cheap to tell:
+
+    * inputs of a new structure, split into new shard sizes, or with a mapped tensor of a new
+      shape or dtype, a new value of a static argument or of a boolean, string, dtype or device
+      leaf, or (for a pmapped module) a submodule switched between ``train()`` and ``eval()``;
+    * the first change of a Python ``int`` or ``float`` leaf, which dynamo compiles as a
+      constant and, once it changes, as a dynamic value;
+    * torch's global state that dynamo guards on (grad mode, thread count, default dtype, ...)
+      unlike that of recent calls;
+    * the call after one in which dynamo compiled anything, or which failed (a compilation
+      that failed or was interrupted may run again); so changes not seen above cost at most
+      one call of racing compilations.
+
+    Wrong guesses are cheap either way: a call in turns runs its replicas one at a time between
+    collectives, once.
     """
 
-    # Input signatures remembered; forgetting one costs one call in turns.
-    MAX_SIGNATURES = 64
+    MAX_KEYS = 64  # input keys remembered (least recently seen are forgotten first)
+    MAX_STATES = 8  # global states remembered (a loop may alternate grad and no_grad calls)
+    MAX_NUMBERS = 1024  # number leaves tracked
 
     def __init__(self) -> None:
-        self._signatures: set[Any] = set()
-        self._state: Any = None
+        self._keys: OrderedDict[Any, None] = OrderedDict()
+        self._numbers: dict[tuple[optree.PyTreeSpec, int], Any] = {}
+        self._states: list[Any] = []
         self._compiled_last_call = True
 
-    def run(self, call: Callable[[bool], T], treespec: optree.PyTreeSpec, leaves: list[Any]) -> T:
+    def run(
+        self,
+        call: Callable[[bool], T],
+        *,
+        treespec: optree.PyTreeSpec,
+        leaves: Sequence[Any],
+        axes: Sequence[Any],
+        sizes: tuple[int, ...],
+        statics: Mapping[int, Any],
+        module: torch.nn.Module | None,
+    ) -> T:
         """``call(take_turns)``, noting whether dynamo compiled during it."""
-        take_turns = self._new_inputs(treespec, leaves) | self._new_state() | self._compiled_last_call
+        others = [(i, v) for i, v in enumerate(leaves) if type(v) not in _tree.TENSOR_TYPES]
+        # `|`, not `or`: every check must run, as each one records what it saw.
+        take_turns = (
+            self._new_inputs(treespec, leaves, axes, sizes, statics, module, others)
+            | self._changed_number(treespec, others)
+            | self._new_state()
+            | self._compiled_last_call
+        )
         before = _graphs_compiled()
         try:
-            return call(take_turns)
-        finally:
-            self._compiled_last_call = _graphs_compiled() != before
+            result = call(take_turns)
+        except BaseException:
+            self._compiled_last_call = True
+            raise
+        self._compiled_last_call = _graphs_compiled() != before  # != : also after a reset
+        return result
 
-    def _new_inputs(self, treespec: optree.PyTreeSpec, leaves: list[Any]) -> bool:
-        signature = (
+    def _new_inputs(
+        self,
+        treespec: optree.PyTreeSpec,
+        leaves: Sequence[Any],
+        axes: Sequence[Any],
+        sizes: tuple[int, ...],
+        statics: Mapping[int, Any],
+        module: torch.nn.Module | None,
+        others: list[tuple[int, Any]],
+    ) -> bool:
+        key = (
             treespec,
+            sizes,
+            tuple(statics.items()),
+            # Mapped tensors only: few, and the ones whose shapes change (the last, smaller
+            # batch); replicated ones are mostly parameters, many and fixed.
             tuple(
-                (t.shape, t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
-                for t in leaves
+                (t.shape, t.dtype)
+                for t, axis in zip(leaves, axes)
+                if axis is not _axes.BROADCAST and type(t) in _tree.TENSOR_TYPES
             ),
+            tuple((i, v) for i, v in others if type(v) in _SPECIALIZED),
+            tuple(m.training for m in module.modules()) if module is not None else (),
         )
-        if signature in self._signatures:
+        if key in self._keys:
+            self._keys.move_to_end(key)
             return False
-        if len(self._signatures) >= self.MAX_SIGNATURES:
-            self._signatures.clear()
-        self._signatures.add(signature)
+        if len(self._keys) >= self.MAX_KEYS:
+            self._keys.popitem(last=False)
+        self._keys[key] = None
         return True
 
+    def _changed_number(self, treespec: optree.PyTreeSpec, others: list[tuple[int, Any]]) -> bool:
+        changed = False
+        for i, value in others:
+            if type(value) not in (int, float):
+                continue
+            seen = self._numbers.get((treespec, i), _UNSEEN)
+            if seen is _UNSEEN:
+                if len(self._numbers) >= self.MAX_NUMBERS:
+                    self._numbers.clear()
+                self._numbers[(treespec, i)] = value
+            elif seen is not _DYNAMIC and seen != value:
+                self._numbers[(treespec, i)] = _DYNAMIC  # dynamo's automatic dynamic from now on
+                changed = True
+        return changed
+
     def _new_state(self) -> bool:
-        if self._state is not None and self._state.check():
+        if any(state.check() for state in self._states):
             return False
-        first = self._state is None
-        self._state = _global_state()
-        return not first
+        if len(self._states) >= self.MAX_STATES:
+            self._states.pop(0)
+        self._states.append(_global_state())
+        return True
+
+
+# Leaf types whose values dynamo specializes on (compiles one graph per value).
+_SPECIALIZED = frozenset({bool, str, bytes, torch.dtype, torch.device})
+_UNSEEN, _DYNAMIC = object(), object()
 
 
 def _global_state() -> Any:
@@ -117,7 +187,11 @@ class _Unchanged:
 
 
 def _graphs_compiled() -> int:
-    """How many graphs dynamo has compiled in this process (any thread, any function)."""
+    """How many graphs dynamo has compiled in this process (any thread, any function).
+
+    Graphs, not frames: dynamo also converts frames that yield no graph, some on every call,
+    and counting those would keep a function in turns for good.
+    """
     utils = sys.modules.get("torch._dynamo.utils")  # loaded by torch.compile; never imported here
     if utils is None:
         return 0

@@ -229,11 +229,22 @@ class Pmapped(Generic[P, R]):
                 inputs=[[t for t in row if isinstance(t, torch.Tensor)] for row in scattered.leaves]
                 if any(d.type == "cuda" for d in scattered.devices)
                 else None,
-                timing=self._timing,
+                timing=None if take_turns else self._timing,  # turns: no time of a replica's own
                 take_turns=take_turns,
             )
 
-        outputs = run() if self._turns is None else self._turns.run(run, treespec, leaves)
+        if self._turns is None:
+            outputs = run()
+        else:
+            outputs = self._turns.run(
+                run,
+                treespec=treespec,
+                leaves=leaves,
+                axes=plan.axes,
+                sizes=scattered.sizes,
+                statics=statics,
+                module=self.fn if self.is_module else None,  # type: ignore[arg-type]
+            )
         if versions is not None:
             self._check_unmodified(scattered, versions, parts, roots)
         return outputs, scattered.devices

@@ -309,8 +309,8 @@ def run_replicas(
     """Runs ``replicas[i]()`` as replica ``i`` on ``devices[i]`` and returns their results.
 
     ``inputs[i]`` are the tensors replica ``i`` was given (for CUDA stream bookkeeping). With
-    ``take_turns``, one replica at a time runs between collectives (a compiled function's
-    first run: see :class:`fdp._replica.Turnstile`).
+    ``take_turns``, one replica at a time runs between collectives (while a compiled function
+    is being compiled: see :class:`fdp._replica.Turnstile`).
 
     Replica 0 runs in the calling thread, the others on workers. Waking a sleeping worker costs
     tens to hundreds of microseconds, more than a small replica takes, so on CPU the caller
@@ -501,10 +501,16 @@ def _call_group(n: int, devices: tuple[torch.device, ...], axis_name: Hashable |
 
 
 def _in_turn(group: _replica.CallGroup, index: int, replica: Callable[[], Any]) -> Any:
+    """``replica()`` in replica ``index``'s turns (see :class:`fdp._replica.Turnstile`)."""
     assert group.turnstile is not None
     group.turnstile.enter(index, group)
     try:
         return replica()
+    except BaseException as error:
+        # Before the turn passes on: the next replica must find the call failed, not run (and
+        # perhaps compile) its part of a call that is over.
+        group.abort(index, error)
+        raise
     finally:
         group.turnstile.leave(index)
 

@@ -244,12 +244,13 @@ def _describe(what: Hashable) -> str:
 class Turnstile:
     """Lets one replica at a time run between collectives.
 
-    For a compiled function's first run on an input signature: dynamo checks its cache before
-    it takes its compile lock, so replicas that enter a frame together would each compile it
-    (N compilations, and past ``torch._dynamo.config.recompile_limit`` a fallback to eager
-    with warnings). Taking turns, the first replica compiles each frame and the others find it
-    compiled. A replica holds its turn while it runs its function and gives it up inside every
-    collective, so replicas still meet there; a failed call releases everyone.
+    For calls in which a compiled function is likely to be compiled (see
+    :class:`fdp._compile.Turns`): dynamo checks its cache before it takes its compile lock, so
+    replicas that enter a frame together would each compile it (N compilations, and past
+    ``torch._dynamo.config.recompile_limit`` a fallback to eager with warnings). Taking turns,
+    the first replica compiles each frame and the others find it compiled. A replica holds its
+    turn while it runs its function and gives it up inside every collective, so replicas still
+    meet there; a failed call releases everyone.
     """
 
     __slots__ = ("_lock", "_held")
@@ -264,9 +265,10 @@ class Turnstile:
         # others waiting forever.
         while not self._lock.acquire(timeout=0.05):
             if group.failed is not None:
-                raise ReplicaAborted(
-                    f"replica {index} was waiting for its turn when replica {group.failed_index} failed"
-                )
+                self._aborted(index, group)
+        if group.failed is not None:  # the turn of a replica that failed: nothing more to run
+            self._lock.release()
+            self._aborted(index, group)
         self._held[index] = True
 
     def leave(self, index: int) -> None:
@@ -274,6 +276,12 @@ class Turnstile:
         if self._held[index]:
             self._held[index] = False
             self._lock.release()
+
+    @staticmethod
+    def _aborted(index: int, group: CallGroup) -> None:
+        raise ReplicaAborted(
+            f"replica {index} was waiting for its turn when replica {group.failed_index} failed"
+        )
 
 
 class ReplicaContext:

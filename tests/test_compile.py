@@ -109,6 +109,54 @@ def test_a_change_of_global_state_is_recompiled_once_not_once_per_replica() -> N
     assert counts == [2, 2, 4, 4]
 
 
+def test_replicas_take_turns_only_while_dynamo_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    turns: list[bool] = []
+    run_replicas = fdp._pool.run_replicas
+
+    def spy(*args: Any, take_turns: bool = False, **kwargs: Any) -> Any:
+        turns.append(take_turns)
+        return run_replicas(*args, take_turns=take_turns, **kwargs)
+
+    monkeypatch.setattr(fdp._pool, "run_replicas", spy)
+    f = fdp.pmap(lambda x: fdp.psum(x * 3, "i") + 1, axis_name="i", devices=cpus(4), compile=AOT_EAGER)
+    for rows in (8, 8, 8, 8, 12, 12, 12, 8):
+        f(torch.ones(rows))
+    # compiles, checks that nothing more compiles, then parallel; the new batch size likewise
+    # (dynamo makes it dynamic); the first batch size again is known
+    assert turns == [True, True, False, False, True, True, False, False]
+
+
+def test_switching_a_module_to_eval_compiles_once_not_once_per_replica() -> None:
+    recorder = GraphRecorder()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    f = fdp.pmap(model, devices=cpus(6), compile={"backend": recorder})
+    params, x = dict(model.named_parameters()), torch.ones(6, 3)
+    counts = []
+    for mode in ("train", "train", "eval", "eval"):
+        getattr(model, mode)()
+        f(params, x)
+        counts.append(recorder.calls)
+    assert counts == [1, 1, 2, 2]
+    torch.testing.assert_close(f(params, x), model(x))  # in eval mode, dropout is the identity
+
+
+def test_a_new_static_argument_compiles_once_not_once_per_replica() -> None:
+    recorder = GraphRecorder()
+    f = fdp.pmap(
+        lambda x, how: x * 2 if how == "double" else x + 1,
+        static_argnums=1,
+        devices=cpus(6),
+        compile={"backend": recorder},
+    )
+    x = torch.ones(6)
+    counts = []
+    for how in ("double", "double", "increment", "increment"):
+        f(x, how)
+        counts.append(recorder.calls)
+    assert counts == [1, 1, 2, 2]
+    torch.testing.assert_close(f(x, "increment"), x + 1)
+
+
 def test_collectives_differentiated_inside_compiled_code_compile_nothing_new_per_call() -> None:
     """Under torch.func.grad, torch calls the collective's autograd Function from C++, out of
     reach of the mark on psum: its frames carry the mark too, or dynamo would compile them

@@ -400,3 +400,48 @@ def test_a_turn_lost_by_a_failed_replica_aborts_the_waiting_ones() -> None:
     group.abort(0, KeyboardInterrupt())
     with pytest.raises(_replica.ReplicaAborted, match="waiting for its turn when replica 0 failed"):
         finishes(lambda: turnstile.enter(1, group))
+
+
+def test_a_replica_failing_in_its_turn_is_the_last_to_run() -> None:
+    ran: list[int] = []
+
+    def body(i: int) -> None:
+        ran.append(i)
+        raise ValueError(f"replica {i} failed")
+
+    with pytest.raises(ValueError, match="failed"):
+        _replicas_in_turns(4, body)
+    assert len(ran) == 1, ran  # the call had failed before the turn passed on
+
+
+@pytest.mark.parametrize("timing", ["inline", "stealing"])
+def test_turns_with_the_caller_running_replicas(timing: str) -> None:
+    # Small replicas run inline (handed over at the first collective); without a collective,
+    # the caller takes back replicas no worker has started. Turns hold in both.
+    recent = _pool.Timing()
+    recent.record(1e-7 if timing == "inline" else 1.0)
+    running: list[int] = []
+    overlaps: list[list[int]] = []
+    lock = threading.Lock()
+
+    def body(i: int) -> torch.Tensor:
+        with lock:
+            running.append(i)
+            if len(running) > 1:
+                overlaps.append(list(running))
+        time.sleep(0.005)
+        with lock:
+            running.remove(i)
+        x = torch.tensor(float(i))
+        return fdp.psum(x, "i") if timing == "inline" else x
+
+    replicas = [lambda i=i: body(i) for i in range(3)]
+    devices = [torch.device("cpu")] * 3
+    results = finishes(
+        lambda: _pool.run_replicas(
+            devices, replicas, axis_name="i", caller="t", timing=recent, take_turns=True
+        )
+    )
+    expected = [3.0] * 3 if timing == "inline" else [0.0, 1.0, 2.0]
+    assert torch.stack(results).tolist() == expected
+    assert overlaps == []
