@@ -74,11 +74,10 @@ class Turns:
 
     MAX_KEYS = 64  # input keys remembered (least recently seen are forgotten first)
     MAX_STATES = 8  # global states remembered (a loop may alternate grad and no_grad calls)
-    MAX_NUMBERS = 1024  # number leaves tracked
 
     def __init__(self) -> None:
         self._keys: OrderedDict[Any, None] = OrderedDict()
-        self._numbers: dict[tuple[optree.PyTreeSpec, int], Any] = {}
+        self._layouts: dict[optree.PyTreeSpec, _Layout] = {}
         self._states: list[Any] = []
         self._compiled_last_call = True
 
@@ -94,11 +93,11 @@ class Turns:
         module: torch.nn.Module | None,
     ) -> T:
         """``call(take_turns)``, noting whether dynamo compiled during it."""
-        others = [(i, v) for i, v in enumerate(leaves) if type(v) not in _tree.TENSOR_TYPES]
+        layout = self._layout(treespec, leaves, axes)
         # `|`, not `or`: every check must run, as each one records what it saw.
         take_turns = (
-            self._new_inputs(treespec, leaves, axes, sizes, statics, module, others)
-            | self._changed_number(treespec, others)
+            self._new_inputs(layout, leaves, sizes, statics, module)
+            | self._changed_number(layout, leaves)
             | self._new_state()
             | self._compiled_last_call
         )
@@ -111,28 +110,34 @@ class Turns:
         self._compiled_last_call = _graphs_compiled() != before  # != : also after a reset
         return result
 
+    def _layout(self, treespec: optree.PyTreeSpec, leaves: Sequence[Any], axes: Sequence[Any]) -> _Layout:
+        """Which leaves the checks read, for inputs of this structure and these leaf types.
+
+        Found once: a call then reads a few leaves, not all of them (a resident training state
+        has a leaf per parameter and optimizer buffer, and the compiled step is the fast one).
+        """
+        types = tuple(map(type, leaves))
+        layout = self._layouts.get(treespec)
+        if layout is None or layout.types != types:
+            if len(self._layouts) >= self.MAX_KEYS:
+                self._layouts.clear()
+            layout = self._layouts[treespec] = _Layout(types, axes)
+        return layout
+
     def _new_inputs(
         self,
-        treespec: optree.PyTreeSpec,
+        layout: _Layout,
         leaves: Sequence[Any],
-        axes: Sequence[Any],
         sizes: tuple[int, ...],
         statics: Mapping[int, Any],
         module: torch.nn.Module | None,
-        others: list[tuple[int, Any]],
     ) -> bool:
         key = (
-            treespec,
+            layout,
             sizes,
             tuple(statics.items()),
-            # Mapped tensors only: few, and the ones whose shapes change (the last, smaller
-            # batch); replicated ones are mostly parameters, many and fixed.
-            tuple(
-                (t.shape, t.dtype)
-                for t, axis in zip(leaves, axes)
-                if axis is not _axes.BROADCAST and type(t) in _tree.TENSOR_TYPES
-            ),
-            tuple((i, v) for i, v in others if type(v) in _SPECIALIZED),
+            tuple((leaves[i].shape, leaves[i].dtype) for i in layout.mapped_tensors),
+            tuple(leaves[i] for i in layout.specialized),
             tuple(m.training for m in module.modules()) if module is not None else (),
         )
         if key in self._keys:
@@ -143,18 +148,14 @@ class Turns:
         self._keys[key] = None
         return True
 
-    def _changed_number(self, treespec: optree.PyTreeSpec, others: list[tuple[int, Any]]) -> bool:
+    def _changed_number(self, layout: _Layout, leaves: Sequence[Any]) -> bool:
         changed = False
-        for i, value in others:
-            if type(value) not in (int, float):
-                continue
-            seen = self._numbers.get((treespec, i), _UNSEEN)
+        for i in layout.numbers:
+            seen, value = layout.seen[i], leaves[i]
             if seen is _UNSEEN:
-                if len(self._numbers) >= self.MAX_NUMBERS:
-                    self._numbers.clear()
-                self._numbers[(treespec, i)] = value
+                layout.seen[i] = value
             elif seen is not _DYNAMIC and seen != value:
-                self._numbers[(treespec, i)] = _DYNAMIC  # dynamo's automatic dynamic from now on
+                layout.seen[i] = _DYNAMIC  # dynamo's automatic dynamic from now on
                 changed = True
         return changed
 
@@ -165,6 +166,25 @@ class Turns:
             self._states.pop(0)
         self._states.append(_global_state())
         return True
+
+
+class _Layout:
+    """Where the leaves that :class:`Turns` reads are, for one structure and its leaf types;
+    also the first value of every Python number leaf (or _DYNAMIC once it has changed)."""
+
+    __slots__ = ("types", "mapped_tensors", "specialized", "numbers", "seen")
+
+    def __init__(self, types: tuple[type, ...], axes: Sequence[Any]) -> None:
+        self.types = types
+        # Mapped tensors only: few, and the ones whose shapes change (the last, smaller batch);
+        # replicated ones are mostly parameters, many and fixed.
+        tensors = _tree.TENSOR_TYPES
+        self.mapped_tensors = [
+            i for i, (t, axis) in enumerate(zip(types, axes)) if t in tensors and axis is not _axes.BROADCAST
+        ]
+        self.specialized = [i for i, t in enumerate(types) if t in _SPECIALIZED]
+        self.numbers = [i for i, t in enumerate(types) if t is int or t is float]
+        self.seen: dict[int, Any] = dict.fromkeys(self.numbers, _UNSEEN)
 
 
 # Leaf types whose values dynamo specializes on (compiles one graph per value).
