@@ -84,6 +84,7 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         try:
+            _resolve_math_kernels()  # while the caller waits for this worker: in no race
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 self.stream = torch.cuda.Stream(self.device)
@@ -101,6 +102,33 @@ class _Worker(threading.Thread):
             finally:
                 self.busy = False
             del task  # drop the replica's references before blocking on the queue
+
+
+# torch runs these float unary ops through MKL's vector math library (VML), which picks each
+# function's kernel (instruction set, accuracy) on its first call. First calls racing in several
+# threads can run a low-accuracy kernel on one thread's data, silently: errors of thousands of
+# ulps in that one call (pytorch/pytorch#188792, oneMKL 2024.2). Replicas in threads make the
+# race likely on a process's first calls, so the first worker calls each function once, before
+# any replica runs beside another. (A superset of the ops torch routes there, across versions.)
+_VML_OPS = (
+    "abs", "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "expm1",
+    "log", "log10", "log1p", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+_math_kernels_resolved = False
+
+
+def _resolve_math_kernels() -> None:
+    """Calls each VML function once (float and double), the first time a worker starts."""
+    global _math_kernels_resolved
+    if _math_kernels_resolved:
+        return
+    _math_kernels_resolved = True
+    if not torch.backends.mkl.is_available():
+        return
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)  # inside every function's domain
+        for name in _VML_OPS:
+            getattr(torch, name)(one)
 
 
 _WORKERS: dict[tuple[torch.device, int], _Worker] = {}

@@ -445,3 +445,37 @@ def test_turns_with_the_caller_running_replicas(timing: str) -> None:
     expected = [3.0] * 3 if timing == "inline" else [0.0, 1.0, 2.0]
     assert torch.stack(results).tolist() == expected
     assert overlaps == []
+
+
+def test_math_kernels_are_resolved_before_replicas_run_side_by_side() -> None:
+    # MKL picks a vector math function's kernel on its first call, and first calls racing in
+    # threads can get a low-accuracy kernel (pytorch/pytorch#188792): the first worker calls
+    # each such function once, while no replica runs. In a child process: a fresh MKL.
+    script = textwrap.dedent(
+        """
+        import threading, torch, fdp
+        fdp._pool.INLINE_REPLICAS = False
+        events = []
+        tanh = torch.tanh
+        def recording_tanh(x, *args, **kwargs):
+            events.append(("tanh", threading.current_thread().name, x.numel(), x.dtype))
+            return tanh(x, *args, **kwargs)
+        torch.tanh = recording_tanh
+        def body(x):
+            events.append(("replica", threading.current_thread().name))
+            return x
+        fdp.pmap(body, devices=["cpu"])(torch.ones(2))
+        print("one replica:", fdp._pool._math_kernels_resolved)
+        fdp.pmap(body, devices=["cpu"] * 3)(torch.ones(3))
+        print("first replica event:", [e[0] for e in events[1:]].index("replica"))
+        print(events[1:3])
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "one replica: False"  # one replica, no thread beside it: nothing to do
+    assert lines[1] == "first replica event: 2"  # float and double tanh first, then replicas
+    assert lines[2] == (
+        "[('tanh', 'fdp-worker-cpu-1', 1, torch.float32), ('tanh', 'fdp-worker-cpu-1', 1, torch.float64)]"
+    )
