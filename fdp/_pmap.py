@@ -465,8 +465,10 @@ def pmap(
             ``mode``, ``dynamic``, ...). The first call compiles; collectives are graph breaks
             (they run eagerly between two graphs); a module is called through
             :func:`torch.func.functional_call` on a private copy of its structure, so graph
-            breaks in its ``forward`` are safe. See ``docs/concepts.md`` for when it pays.
-            Default: ``False``.
+            breaks in its ``forward`` are safe. While dynamo compiles (the first call, new
+            input shapes, ...), the replicas take turns between collectives, so that each
+            piece is compiled once rather than once per replica. See ``docs/concepts.md`` for
+            when it pays. Default: ``False``.
 
     Returns:
         A callable with ``fn``'s signature.
