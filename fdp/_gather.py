@@ -77,8 +77,9 @@ def gather_outputs(
     ``devices`` are the replicas' devices and ``inputs`` the call's input leaves, for
     ``PER_REPLICA`` outputs (see :func:`_own_copies`).
     """
-    flat = [_tree.flatten(out) for out in outputs]
-    treespec = flat[0][1]
+    first = _tree.flatten(outputs[0])
+    treespec = first[1]
+    flat = [first, *(_tree.flatten_like(out, treespec, first[0]) for out in outputs[1:])]
     for r, (_, other) in enumerate(flat[1:], start=1):
         if other != treespec:
             raise ValueError(

@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "NAMESPACE",
     "flatten",
+    "flatten_like",
     "unflatten",
     "flatten_with_paths",
     "describe",
@@ -215,6 +216,24 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     # A newly registered dataclass may hold further dataclasses: flatten until none is left.
     while _register_new_node_types(leaves):
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    return leaves, spec
+
+
+def flatten_like(
+    tree: Any, spec: optree.PyTreeSpec, like: Sequence[Any]
+) -> tuple[list[Any], optree.PyTreeSpec]:
+    """:func:`flatten` for a ``tree`` expected to have the structure ``spec`` and leaves of the
+    types of ``like`` (another replica's output): then ``spec.flatten_up_to``, which follows
+    ``spec`` instead of discovering the structure and sorting dict keys anew, at a tenth of the
+    cost. Anything else gets the full :func:`flatten`, so callers see the true structure."""
+    try:
+        leaves = spec.flatten_up_to(tree)
+    except ValueError:  # a different node somewhere
+        return flatten(tree)
+    # flatten_up_to hands back whole subtrees where spec has leaves: with every type that of a
+    # leaf of `like` at the same position, none is a container.
+    if list(map(type, leaves)) != list(map(type, like)):
+        return flatten(tree)
     return leaves, spec
 
 

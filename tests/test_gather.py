@@ -39,6 +39,27 @@ def test_gather_is_differentiable() -> None:
     torch.testing.assert_close(b.grad, torch.tensor([2.0, 3.0, 4.0]))
 
 
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"a": {"deeper": torch.ones(1)}, "b": torch.ones(1)},  # a container where a leaf was
+        {"a": torch.ones(1), "b": None},  # None where a leaf was
+        {"a": torch.ones(1), "c": torch.ones(1)},  # other keys
+        {"a": (torch.ones(1),), "b": torch.ones(1)},
+    ],
+    ids=["subtree", "none", "keys", "tuple"],
+)
+def test_later_replicas_are_checked_against_the_first_replicas_structure(other: dict) -> None:
+    # Later replicas' outputs are flattened along the first one's structure (fast); a subtree
+    # where the first has a leaf must still be a structure error, not a leaf.
+    first = {"a": torch.ones(1), "b": torch.ones(1)}
+    with pytest.raises(ValueError, match="outputs of different structure"):
+        fdp.gather([first, other], "cpu")
+    same_keys_other_order = {"b": torch.full((1,), 2.0), "a": torch.full((1,), 3.0)}
+    gathered = fdp.gather([first, same_keys_other_order], "cpu")
+    assert gathered["a"].tolist() == [1.0, 3.0] and gathered["b"].tolist() == [1.0, 2.0]
+
+
 def test_gather_errors() -> None:
     with pytest.raises(ValueError, match="outputs of different structure"):
         fdp.gather([{"a": torch.ones(1)}, {"b": torch.ones(1)}], "cpu")
