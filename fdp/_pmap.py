@@ -99,6 +99,7 @@ class Pmapped(Generic[P, R]):
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
+        self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
         self._timing = _pool.Timing()  # how long replicas run: small ones run inline
@@ -160,7 +161,7 @@ class Pmapped(Generic[P, R]):
             )
         devices, output_device = self._devices_and_output()
         parts, roots, statics = self._parts(args, kwargs)
-        leaves, treespec = _tree.flatten(parts)
+        leaves, treespec = self._inputs.flatten(parts)
         plan = self._plans.get(treespec)
         if plan is None:
             plan = self._plans[treespec] = self._make_plan(parts, roots)

@@ -764,3 +764,44 @@ def test_one_cpu_replica_failure_keeps_the_exception_object() -> None:
     with pytest.raises(Boom) as info:
         fdp.pmap(f, devices=cpus(1))(torch.zeros(2))
     assert info.value is error
+
+
+def test_calls_that_change_the_argument_structure_are_flattened_anew() -> None:
+    # Calls are flattened along the previous call's structure when they repeat it; a container
+    # where the previous call had a tensor, or other keys, must be seen as such.
+    f = fdp.pmap(lambda t: optree.tree_map(lambda x: x * 2, t, namespace="fdp"), devices=cpus(2))
+    x = torch.arange(4.0)
+    # Registering types with optree (torch registers its own on first use of some utilities)
+    # makes fdp flatten anew anyway: the registry must be settled for this test to test anything.
+    torch.testing.assert_close(x, x)
+    torch.testing.assert_close(f(x), x * 2)
+    nested = {"a": x, "b": x + 1}
+    out = f(nested)
+    torch.testing.assert_close(out["a"], x * 2)
+    torch.testing.assert_close(out["b"], (x + 1) * 2)
+    out = f({"b": x, "a": x + 1})  # same keys, another order
+    torch.testing.assert_close(out["a"], (x + 1) * 2)
+    torch.testing.assert_close(out["b"], x * 2)
+    out = f({"a": x, "c": x})
+    assert sorted(out) == ["a", "c"]
+
+
+def test_a_type_registered_with_optree_between_calls_is_a_container_from_then_on() -> None:
+    class Pair:
+        def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+            self.first, self.second = first, second
+
+    rows = fdp.pmap(lambda p: torch.tensor([p.first.shape[0], p.second.shape[0]]), devices=cpus(2))
+    pair = Pair(torch.zeros(4), torch.ones(4))
+    with pytest.raises(ValueError, match="found no tensor to map"):  # a leaf: nothing to split
+        rows(pair)
+    optree.register_pytree_node(
+        Pair,  # type: ignore[arg-type]
+        lambda p: ((p.first, p.second), None, None),
+        lambda _, children: Pair(*children),
+        namespace="fdp",
+    )
+    try:
+        assert rows(pair).tolist() == [2, 2, 2, 2]  # now a container: both fields split
+    finally:
+        optree.unregister_pytree_node(Pair, namespace="fdp")  # type: ignore[arg-type]
