@@ -79,7 +79,8 @@ def gather_outputs(
     """
     first = _tree.flatten(outputs[0])
     treespec = first[1]
-    flat = [first, *(_tree.flatten_like(out, treespec, first[0]) for out in outputs[1:])]
+    types = list(map(type, first[0]))
+    flat = [first, *(_tree.flatten_like(out, treespec, types) for out in outputs[1:])]
     for r, (_, other) in enumerate(flat[1:], start=1):
         if other != treespec:
             raise ValueError(

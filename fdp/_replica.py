@@ -139,23 +139,11 @@ class CallGroup:
         if hand_over is not None:
             self.before_wait = None
             hand_over()
-        turnstile = self.turnstile
-        if turnstile is None:
-            return self._exchange(index, what, payload, combine)
         # Waiting for the others needs them to run: give up the turn, and take it back only
         # when returning normally (an error leaves without it, so nothing waits on the way out).
-        turnstile.leave(index)
-        result = self._exchange(index, what, payload, combine)
-        turnstile.enter(index, self)
-        return result
-
-    def _exchange(
-        self,
-        index: int,
-        what: Hashable,
-        payload: Any,
-        combine: Callable[[list[Any]], list[Any]],
-    ) -> tuple[Any, int]:
+        turnstile = self.turnstile
+        if turnstile is not None:
+            turnstile.leave(index)
         with self.lock:
             number = self._next[index]
             self._next[index] += 1
@@ -192,6 +180,8 @@ class CallGroup:
                 del self._rounds[number]
         if round_.error is not None:
             raise _fresh(*round_.error)
+        if turnstile is not None:
+            turnstile.enter(index, self)
         return round_.result[index], number
 
     def _wait(self, round_: _Round, index: int) -> None:

@@ -221,21 +221,13 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 
 
 def flatten_like(
-    tree: Any, spec: optree.PyTreeSpec, like: Sequence[Any]
+    tree: Any, spec: optree.PyTreeSpec, types: list[type]
 ) -> tuple[list[Any], optree.PyTreeSpec]:
-    """:func:`flatten` for a ``tree`` expected to have the structure ``spec`` and leaves of the
-    types of ``like`` (another replica's output): then ``spec.flatten_up_to``, which follows
-    ``spec`` instead of discovering the structure and sorting dict keys anew, at a tenth of the
-    cost. Anything else gets the full :func:`flatten`, so callers see the true structure."""
-    try:
-        leaves = spec.flatten_up_to(tree)
-    except ValueError:  # a different node somewhere
-        return flatten(tree)
-    # flatten_up_to hands back whole subtrees where spec has leaves: with every type that of a
-    # leaf of `like` at the same position, none is a container.
-    if list(map(type, leaves)) != list(map(type, like)):
-        return flatten(tree)
-    return leaves, spec
+    """:func:`flatten` for a ``tree`` expected to have the structure ``spec`` with leaves of
+    ``types`` (another replica's output): then ``spec.flatten_up_to``, at a tenth of the cost.
+    Anything else gets the full :func:`flatten`, so callers see the true structure."""
+    leaves = _along(tree, spec, types)
+    return (leaves, spec) if leaves is not None else flatten(tree)
 
 
 class LastStructure:
@@ -254,17 +246,26 @@ class LastStructure:
         last = self._last
         if last is not None and last[2] == _registry_generation():  # no type changed kind since
             spec, types, _ = last
-            try:
-                leaves = spec.flatten_up_to(tree)
-            except ValueError:
-                leaves = None
-            # Whole subtrees come back where spec has leaves: leaf types at every position say
-            # there are none.
-            if leaves is not None and list(map(type, leaves)) == types:
+            leaves = _along(tree, spec, types)
+            if leaves is not None:
                 return leaves, spec
         leaves, spec = flatten(tree)
         self._last = (spec, list(map(type, leaves)), _registry_generation())
         return leaves, spec
+
+
+def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] | None:
+    """``tree``'s leaves if it has the structure ``spec`` and leaves of ``types``; else None.
+
+    ``spec.flatten_up_to`` follows a known structure instead of discovering it and sorting dict
+    keys anew. It hands back whole subtrees where ``spec`` has leaves: a leaf type at every
+    position says there are none.
+    """
+    try:
+        leaves = spec.flatten_up_to(tree)
+    except ValueError:  # a different node somewhere
+        return None
+    return leaves if list(map(type, leaves)) == types else None
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
