@@ -555,6 +555,18 @@ class _Spmd(torch.autograd.Function):
                 f"{op.name}'s backward inside a torch.func transform ran after the pmapped call "
                 "returned; every replica must run it together, inside the mapped function"
             )
+        if _shares_backward_thread(context):
+            device = context.device
+            raise RuntimeError(
+                f"{op.name}'s backward inside a torch.func transform cannot run on replicas "
+                f"that share {device} (the call's devices: "
+                f"{', '.join(str(d) for d in context.group.devices)}): torch's autograd engine "
+                f"runs the backward of every {device.type} device on one thread, where replica "
+                f"{context.index}'s {op.name} would wait forever for the others' backward queued "
+                "behind it. Give each replica a device of its own, differentiate through the "
+                "whole pmapped call (backward() on its output), or keep the collective out of "
+                f"the differentiated function (take the local gradients, then {op.name} them)."
+            )
         if isinstance(op, _AllReduce) and op.reduce == "sum":
             result = _Spmd.apply(op.transpose(), context, ctx.extra, None, *grads)
         elif isinstance(op, _AllReduce):  # max/min: the cotangent goes where the extreme was
@@ -592,6 +604,19 @@ class _Spmd(torch.autograd.Function):
 
 for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.vmap):
     _never_compiled(_method)
+
+
+def _shares_backward_thread(context: _replica.ReplicaContext) -> bool:
+    """Whether another replica of the call runs on this replica's (non-CPU) device.
+
+    torch's autograd engine runs the backward of a CUDA (or other accelerator) device's tensors
+    on one thread per device, not in the thread that asked for it; CPU backward runs in the
+    asking thread. Replicas that share an accelerator therefore run their backward passes one
+    after the other on one thread, and a backward collective, which waits for the others, would
+    wait forever there.
+    """
+    device = context.device
+    return device.type != "cpu" and context.group.devices.count(device) > 1
 
 
 def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:

@@ -323,6 +323,36 @@ def test_a_failing_replica_releases_the_others(where: str) -> None:
     )
 
 
+def test_a_backward_collective_that_would_wait_on_its_own_thread_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Replicas sharing a GPU run their backward passes on one engine thread (see test_cuda);
+    # here the check is forced on CPU replicas: every replica fails cleanly, none waits.
+    monkeypatch.setattr(_collectives, "_shares_backward_thread", lambda context: True)
+    step = per_row(lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x))
+    with pytest.raises(RuntimeError, match=r"fdp.psum's backward .* cannot run on replicas that share"):
+        finishes(lambda: step(rows()))
+    monkeypatch.undo()
+    torch.testing.assert_close(finishes(lambda: step(rows())), N * 2 * rows())
+
+
+@pytest.mark.parametrize(
+    ("devices", "index", "shared"),
+    [
+        (["cuda:0", "cuda:0"], 0, True),
+        (["cuda:0", "cuda:1", "cuda:0"], 2, True),
+        (["cuda:0", "cuda:1", "cuda:0"], 1, False),
+        (["cuda:0", "cuda:1"], 0, False),
+        (["cpu", "cpu"], 0, False),  # CPU backward runs in each replica's own thread
+    ],
+)
+def test_which_replicas_share_a_backward_thread(devices: list[str], index: int, shared: bool) -> None:
+    on = [torch.device(d) for d in devices]
+    group = _replica.CallGroup(len(on), on)
+    context = _replica.ReplicaContext("i", index, len(on), on[index], group)
+    assert _collectives._shares_backward_thread(context) is shared
+
+
 def test_a_replica_that_skips_a_collective() -> None:
     def f(x):
         if fdp.axis_index("i") == 1:

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from helpers import finishes
 from torch import nn
 
 import fdp
@@ -130,3 +131,43 @@ def test_distinct_gpus_scatter_gather_replicate() -> None:
     copies = fdp.replicate({"w": w}, devices)
     sum(c["w"].sum().to("cuda:0") for c in copies).backward()
     torch.testing.assert_close(w.grad, torch.full_like(w, float(len(devices))))
+
+
+def test_gpu_backward_runs_on_the_engines_device_thread() -> None:
+    # The premise of fdp's refusal below: torch runs a CUDA tensor's backward on the engine's
+    # thread for the device, not in the replica's thread that asked for the gradient.
+    seen: list[int] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx: object, inputs: object, output: object) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            seen.append(threading.get_ident())
+            return grad
+
+    torch.func.grad(lambda x: Probe.apply(x).sum())(torch.ones(3, device="cuda"))
+    assert seen and seen[0] != threading.get_ident()
+
+
+def test_grad_of_psum_on_two_replicas_of_one_gpu_raises_instead_of_hanging() -> None:
+    step = fdp.pmap(
+        lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x), axis_name="i", devices=TWO_ON_ONE
+    )
+    with pytest.raises(RuntimeError, match="cannot run on replicas that share cuda:0"):
+        finishes(lambda: step(torch.ones(2, 3, device="cuda")))
+
+
+def test_grad_of_psum_on_distinct_gpus() -> None:
+    devices = several_gpus()
+    step = fdp.pmap(
+        lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x), axis_name="i", devices=devices
+    )
+    x = torch.arange(len(devices) * 3.0, device="cuda").reshape(len(devices), 3)
+    torch.testing.assert_close(finishes(lambda: step(x)), len(devices) * 2 * x)
