@@ -4,7 +4,7 @@ A call goes: check the call site (not inside a replica, not under a torch.func t
 flatten the arguments with optree -> per-leaf axes from ``in_axes`` (cached per tree structure)
 -> scatter (``_scatter``) -> run one replica per shard on the pool (``_pool``) -> gather
 (``_gather``). One CPU replica whose inputs need no scattering skips the scatter and the pool's
-general path (``_pool.run_one``). Each of those steps lives in its own module; this one only
+general path (``_pool.LoneReplica``). Each of those steps lives in its own module; this one only
 wires them together.
 """
 
@@ -97,11 +97,13 @@ class Pmapped(Generic[P, R]):
             _compile.own_code(_functional_call.swapped_call) if self.is_module else fn, compile, what=what
         )
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
+        self._lone: _pool.LoneReplica | None = None  # with the devices: one CPU replica's runner
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
-        self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure
+        self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure,
         self._plans: dict[optree.PyTreeSpec, _Plan] = {}
         self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
+        self._outputs = _tree.LastStructure()  # replica 0's outputs, with their plan kept
         self._timing = _pool.Timing()  # how long replicas run: small ones run inline
         # When the replicas of the compiled function must take turns (while dynamo compiles).
         self._turns = _compile.Turns() if self._compiled is not None else None
@@ -143,6 +145,8 @@ class Pmapped(Generic[P, R]):
                 if self._output_device_arg is None
                 else _devices.check_available(self._output_device_arg, what=f"{what} output_device")
             )
+            if len(devices) == 1 and devices[0] == _devices.CPU:
+                self._lone = _pool.LoneReplica(devices[0], axis_name=self.axis_name, caller=what)
             self._resolved = (devices, output)
         return self._resolved
 
@@ -161,23 +165,18 @@ class Pmapped(Generic[P, R]):
             )
         devices, output_device = self._devices_and_output()
         parts, roots, statics = self._parts(args, kwargs)
-        leaves, treespec = self._inputs.flatten(parts)
-        plan = self._plans.get(treespec)
-        if plan is None:
-            plan = self._plans[treespec] = self._make_plan(parts, roots)
-        if (
-            len(devices) == 1
-            and devices[0].type == "cpu"
-            and _scatter.fits_one_cpu_replica(leaves, plan.axes, all_zero=plan.all_zero)
-        ):
+        leaves, treespec, plan = self._inputs.flatten(parts)
+        if plan is None:  # a structure other than the last call's
+            plan = self._plans.get(treespec)
+            if plan is None:
+                plan = self._plans[treespec] = self._make_plan(parts, roots)
+            self._inputs.keep(treespec, plan)
+        lone = self._lone
+        if lone is not None and _scatter.fits_one_cpu_replica(leaves, plan.axes, all_zero=plan.all_zero):
             # One CPU replica, and scattering would hand it every leaf unchanged: it takes the
             # argument trees as they are. Around a step of a millisecond, the skipped work
             # (re-building trees, the general scatter) would be measurable.
-            outputs = [
-                _pool.run_one(
-                    devices[0], self._call_replica, parts, statics, axis_name=self.axis_name, caller=caller
-                )
-            ]
+            outputs = [lone(self._call_replica, parts, statics)]
             run_on: tuple[torch.device, ...] = devices
         else:
             outputs, run_on = self._scatter_and_run(leaves, treespec, plan, devices, parts, roots, statics)
@@ -188,6 +187,7 @@ class Pmapped(Generic[P, R]):
             caller=caller,
             check=self.check_unmapped_outputs,
             plans=self._out_plans,
+            structure=self._outputs,
             devices=run_on,
             inputs=leaves,
         )

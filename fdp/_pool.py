@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from . import _distributed, _random, _replica, _thread_state, _tree
+from . import _devices, _distributed, _random, _replica, _thread_state, _tree
 
-__all__ = ["run_replicas", "run_one", "ensure_not_in_replica"]
+__all__ = ["run_replicas", "LoneReplica", "ensure_not_in_replica"]
 
 
 class _Latch:
@@ -356,7 +356,7 @@ def run_replicas(
     ensure_not_in_replica(caller)
     n = len(replicas)
     if n == 1:
-        return [run_one(devices[0], replicas[0], axis_name=axis_name, caller=caller)]
+        return [LoneReplica(devices[0], axis_name=axis_name, caller=caller)(replicas[0])]
     devices = tuple(devices[:n])
     rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _call_group(n, devices, axis_name)
@@ -543,34 +543,57 @@ def _in_turn(group: _replica.CallGroup, index: int, replica: Callable[[], Any]) 
         group.turnstile.leave(index)
 
 
-def run_one(
-    device: torch.device,
-    replica: Callable[..., Any],
-    *args: Any,
-    axis_name: Hashable | None = None,
-    caller: str,
-) -> Any:
-    """Runs ``replica(*args)`` as the only replica, on ``device``, in the caller's thread.
+class LoneReplica:
+    """Runs the only replica of a call on ``device``, in the caller's thread.
 
-    There is nothing to hand over or wait for: this is :func:`run_replicas` for one replica, with
-    as little code on the way as possible (a step of a millisecond notices every microsecond).
-    The caller has checked that it is not inside a replica.
+    There is nothing to hand over or wait for: this is :func:`run_replicas` for one replica,
+    prepared once (per pmapped function) so that a call runs as little code as possible. A step
+    of a millisecond notices every microsecond, and right after a step's kernels have evicted
+    this code from the caches each line costs several times its warm cost. Callers have checked
+    that they are not inside a replica.
     """
-    rng_seed = _random.active_seed()
-    group = _call_group(1, (device,), axis_name)
-    try:
-        with _replica.entered(_replica.ReplicaContext(axis_name, 0, 1, device, group)):
-            if rng_seed is None and device.type == "cpu":
+
+    __slots__ = ("device", "axis_name", "caller", "_plain", "_context")
+
+    def __init__(self, device: torch.device, *, axis_name: Hashable | None, caller: str) -> None:
+        self.device = device
+        self.axis_name = axis_name
+        self.caller = caller
+        self._plain = device == _devices.CPU  # no device to make current
+        # Without an axis name no collective can reach the replica: it needs no call group of
+        # its own (one is built per call otherwise), and one context serves every call.
+        self._context = (
+            _replica.ReplicaContext(None, 0, 1, device, _NO_COLLECTIVES) if axis_name is None else None
+        )
+
+    def __call__(self, replica: Callable[..., Any], *args: Any) -> Any:
+        """``replica(*args)`` as the only replica."""
+        rng_seed = _random.active_seed()
+        context = self._context
+        group = None
+        if context is None:
+            group = _call_group(1, (self.device,), self.axis_name)
+            context = _replica.ReplicaContext(self.axis_name, 0, 1, self.device, group)
+        previous = _replica.swap_current(context)
+        try:
+            if rng_seed is None and self._plain:
                 return replica(*args)
             with (
                 _random.replica_scope(rng_seed, 0),
-                torch.cuda.device(device) if device.type == "cuda" else _NULL_CONTEXT,
+                torch.cuda.device(self.device) if self.device.type == "cuda" else _NULL_CONTEXT,
             ):
                 return replica(*args)
-    except BaseException as error:
-        group.abort(0, error)
-        _reported_failure([error], (device,), caller, group)  # notes on the error object itself
-        raise
-    finally:
-        group.finish(0)
-        group.done = True
+        except BaseException as error:
+            if group is not None:
+                group.abort(0, error)
+            _reported_failure([error], (self.device,), self.caller, context.group)  # notes on the error
+            raise
+        finally:
+            _replica.swap_current(previous)
+            if group is not None:
+                group.finish(0)
+                group.done = True
+
+
+# The group of lone replicas without an axis name, which no collective can name: never changed.
+_NO_COLLECTIVES = _replica.CallGroup(1, ())

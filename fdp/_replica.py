@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallGroup", "ReplicaContext", "ReplicaAborted", "Turnstile", "current", "entered"]
+__all__ = [
+    "CallGroup",
+    "ReplicaContext",
+    "ReplicaAborted",
+    "Turnstile",
+    "current",
+    "entered",
+    "swap_current",
+]
 
 
 class ReplicaAborted(RuntimeError):
@@ -299,6 +307,13 @@ _LOCAL = _Local()
 def current() -> ReplicaContext | None:
     """The replica running in this thread, or None outside mapped functions."""
     return _LOCAL.context
+
+
+def swap_current(context: ReplicaContext | None) -> ReplicaContext | None:
+    """Makes ``context`` the current replica's, and returns the one it replaces."""
+    previous = _LOCAL.context
+    _LOCAL.context = context
+    return previous
 
 
 class entered:

@@ -152,9 +152,12 @@ def _adopt_registration(cls: type, namespaces: list[str]) -> None:
     )
 
 
+# optree's registry of node types (one dict, changed in place), to tell when it changed.
+_NODE_TYPES = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+
+
 def _registry_generation() -> int | None:
-    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
-    return len(registry) if isinstance(registry, dict) else None
+    return len(_NODE_TYPES) if isinstance(_NODE_TYPES, dict) else None
 
 
 def _register_new_node_types(leaves: Sequence[Any]) -> bool:
@@ -233,25 +236,37 @@ def flatten_like(
 class LastStructure:
     """:func:`flatten` for a stream of trees that mostly repeat one structure (a pmapped
     function's arguments, call after call): a tree with the previous one's structure and leaf
-    types is flattened along it with ``flatten_up_to``, at a tenth of the cost."""
+    types is flattened along it with ``flatten_up_to``, at a tenth of the cost.
+
+    The caller can :meth:`keep` one value with the structure (what it worked out for it, e.g. a
+    plan): :meth:`flatten` hands it back while trees repeat the structure, with no hash of the
+    structure to look it up by.
+    """
 
     __slots__ = ("_last",)
 
     def __init__(self) -> None:
-        # (structure, leaf types, optree registry generation): one attribute, replaced whole,
-        # so concurrent calls never see a mix of two calls' entries.
-        self._last: tuple[optree.PyTreeSpec, list[type], int | None] | None = None
+        # (structure, leaf types, optree registry generation, kept value): one attribute,
+        # replaced whole, so concurrent calls never see a mix of two calls' entries.
+        self._last: tuple[optree.PyTreeSpec, list[type], int | None, Any] | None = None
 
-    def flatten(self, tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    def flatten(self, tree: Any) -> tuple[list[Any], optree.PyTreeSpec, Any]:
+        """``tree``'s leaves and structure, and the value kept with it (None if none)."""
         last = self._last
         if last is not None and last[2] == _registry_generation():  # no type changed kind since
-            spec, types, _ = last
+            spec, types, _, kept = last
             leaves = _along(tree, spec, types)
             if leaves is not None:
-                return leaves, spec
+                return leaves, spec, kept
         leaves, spec = flatten(tree)
-        self._last = (spec, list(map(type, leaves)), _registry_generation())
-        return leaves, spec
+        self._last = (spec, list(map(type, leaves)), _registry_generation(), None)
+        return leaves, spec, None
+
+    def keep(self, spec: optree.PyTreeSpec, value: Any) -> None:
+        """Keeps ``value`` with ``spec`` if that is still the last structure flattened."""
+        last = self._last
+        if last is not None and last[0] is spec:
+            self._last = (spec, last[1], last[2], value)
 
 
 def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] | None:

@@ -805,3 +805,21 @@ def test_a_type_registered_with_optree_between_calls_is_a_container_from_then_on
         assert rows(pair).tolist() == [2, 2, 2, 2]  # now a container: both fields split
     finally:
         optree.unregister_pytree_node(Pair, namespace="fdp")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_plans_follow_the_structure_when_calls_switch(n: int) -> None:
+    # Each structure's in and out plans are kept with the last structure seen: calls that
+    # switch between structures must never get the other one's.
+    f = fdp.pmap(
+        lambda x, w: optree.tree_map(lambda t: t * w, x, namespace="fdp"), in_axes=(0, None), devices=cpus(n)
+    )
+    x, w = torch.arange(4.0), torch.full((4,), 3.0)
+    pair = {"p": torch.ones(2, 4), "q": torch.arange(8.0).reshape(2, 4)}
+    for _ in range(2):
+        for _ in range(2):  # the second call repeats the structure: plans found with it
+            torch.testing.assert_close(f(x[:, None].expand(4, 4), w), x[:, None] * w)
+        for _ in range(2):
+            out = f(pair, w)
+            torch.testing.assert_close(out["p"], pair["p"] * w)
+            torch.testing.assert_close(out["q"], pair["q"] * w)

@@ -13,7 +13,7 @@ import torch
 from helpers import cpus, finishes
 
 import fdp
-from fdp import _pool
+from fdp import _pool, _replica
 
 
 def test_workers_start_only_for_replicas_that_run() -> None:
@@ -479,3 +479,49 @@ def test_math_kernels_are_resolved_before_replicas_run_side_by_side() -> None:
     assert lines[2] == (
         "[('tanh', 'fdp-worker-cpu-1', 1, torch.float32), ('tanh', 'fdp-worker-cpu-1', 1, torch.float64)]"
     )
+
+
+# --- one replica ---------------------------------------------------------------------------------
+
+
+def test_a_lone_replica_runs_as_replica_0_of_1_and_leaves_no_context_behind() -> None:
+    seen = []
+
+    def f(x):
+        context = _replica.current()
+        seen.append((context.index, context.size, context.device, context.axis_name))
+        if x.sum() < 0:
+            raise ValueError("negative")
+        return x
+
+    lone = fdp.pmap(f, devices=["cpu"])
+    named = fdp.pmap(
+        lambda x: fdp.psum(x, "i") * fdp.axis_size("i") + fdp.axis_index("i"), axis_name="i", devices=["cpu"]
+    )
+    lone(torch.ones(2))
+    with pytest.raises(ValueError, match="negative") as info:
+        lone(-torch.ones(2))
+    assert any(
+        note.endswith("<locals>.f): raised by replica 0 of 1 (device cpu)") for note in info.value.__notes__
+    )
+    assert seen == [(0, 1, torch.device("cpu"), None)] * 2
+    assert _replica.current() is None
+    torch.testing.assert_close(named(torch.ones(2)), torch.ones(2))
+    assert _replica.current() is None
+    with pytest.raises(NameError, match="unbound axis name: i .*given no axis_name"):
+        fdp.pmap(lambda x: fdp.psum(x, "i"), devices=["cpu"])(torch.ones(2))
+    with pytest.raises(RuntimeError, match="already running as replica 0 of 1 .*nested pmap"):
+        fdp.pmap(lambda x: lone(x), devices=["cpu"])(torch.ones(2))
+
+
+def test_a_lone_replica_under_rng_scope_gets_replica_0s_stream() -> None:
+    draw = fdp.pmap(lambda x: x + torch.rand(x.shape), devices=["cpu"])
+    two = fdp.pmap(lambda x: x + torch.rand(x.shape), devices=cpus(2))
+    with fdp.rng_scope(7):
+        a = draw(torch.zeros(3))
+    with fdp.rng_scope(7):
+        b = draw(torch.zeros(3))
+    with fdp.rng_scope(7):
+        c = two(torch.zeros(6))
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c[:3])
