@@ -84,17 +84,6 @@ def gather_outputs(
         leaves, treespec, plan = structure.flatten(outputs[0])
     else:
         (leaves, treespec), plan = _tree.flatten(outputs[0]), None
-    flat = [(leaves, treespec)]
-    if len(outputs) > 1:
-        types = list(map(type, leaves))
-        flat += [_tree.flatten_like(out, treespec, types) for out in outputs[1:]]
-    for r, (_, other) in enumerate(flat[1:], start=1):
-        if other != treespec:
-            raise ValueError(
-                f"{caller}: the replicas returned outputs of different structure: replica 0 "
-                f"returned {treespec} but replica {r} returned {other}. Every replica must "
-                "return the same structure."
-            )
     if plan is None:
         plan = plans.get(treespec) if plans is not None else None
         if plan is None:
@@ -104,14 +93,24 @@ def gather_outputs(
                 plans[treespec] = plan
         if structure is not None:
             structure.keep(treespec, plan)
-
-    if len(flat) == 1 and plan.all_none and not check and _all_on(flat[0][0], destination):
-        return outputs[0]  # one replica, nothing to join, already on the destination
-    if plan.all_zero and destination == _devices.CPU:
-        fast = _cat_all_on_cpu([leaves for leaves, _ in flat])
-        if fast is not None:
-            # One replica: its leaves are the result, and so is its tree.
-            return outputs[0] if len(flat) == 1 else _tree.unflatten(treespec, fast)
+    flat = [(leaves, treespec)]
+    if len(outputs) == 1:
+        if _whole_as_it_is(leaves, plan, destination):
+            return outputs[0]  # one replica, nothing to join, already on the destination
+    else:
+        types = list(map(type, leaves))
+        flat += [_tree.flatten_like(out, treespec, types) for out in outputs[1:]]
+        for r, (_, other) in enumerate(flat[1:], start=1):
+            if other != treespec:
+                raise ValueError(
+                    f"{caller}: the replicas returned outputs of different structure: replica 0 "
+                    f"returned {treespec} but replica {r} returned {other}. Every replica must "
+                    "return the same structure."
+                )
+        if plan.all_zero and destination == _devices.CPU:
+            fast = _cat_all_on_cpu([leaves for leaves, _ in flat])
+            if fast is not None:
+                return _tree.unflatten(treespec, fast)
     columns = list(zip(*(leaves for leaves, _ in flat)))
     taken: set[int] | None = None  # storages already used by a PER_REPLICA output, or inputs'
     joined = []
@@ -126,16 +125,26 @@ def gather_outputs(
     return _tree.unflatten(treespec, joined)
 
 
-def _all_on(leaves: list[Any], destination: torch.device) -> bool:
-    """Whether every tensor leaf is on ``destination``."""
-    if destination == _devices.CPU:  # is_cpu builds no device object: cheaper on the common path
-        # A plain loop: on one replica's path, right after a step's kernels, it costs half of
-        # what all() over a comprehension does.
+def _whole_as_it_is(leaves: list[Any], plan: OutputPlan, destination: torch.device) -> bool:
+    """Whether a lone replica's output leaves are the result as they are: with out axes None,
+    every tensor on ``destination``; with out axes 0 and the CPU as destination, every leaf a
+    CPU tensor of rank > 0 (what concatenating one piece would return)."""
+    # Plain loops: on one replica's path, right after a step's kernels, they cost half of what
+    # all() over a comprehension does.
+    if plan.all_none:
+        if destination == _devices.CPU:  # is_cpu builds no device object: cheaper
+            for t in leaves:  # noqa: SIM110
+                if isinstance(t, torch.Tensor) and not t.is_cpu:
+                    return False
+            return True
+        return all(t.device == destination for t in leaves if isinstance(t, torch.Tensor))
+    if plan.all_zero and destination == _devices.CPU:
+        tensor_types = _tree.TENSOR_TYPES
         for t in leaves:  # noqa: SIM110
-            if isinstance(t, torch.Tensor) and not t.is_cpu:
+            if type(t) not in tensor_types or not t.is_cpu or not t.shape:
                 return False
         return True
-    return all(t.device == destination for t in leaves if isinstance(t, torch.Tensor))
+    return False
 
 
 def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
@@ -150,8 +159,6 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
         return None
     if any([t.dim() for t in leaves] != ranks for leaves in per_replica[1:]):
         return None
-    if len(per_replica) == 1:
-        return per_replica[0]
     try:
         return [torch.cat(column) for column in zip(*per_replica)]
     except RuntimeError:

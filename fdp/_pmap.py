@@ -154,7 +154,7 @@ class Pmapped(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         caller = self._caller
-        _pool.ensure_not_in_replica(caller)
+        # (A call inside a replica is refused where the replicas run: _pool.run_replicas, LoneReplica.)
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise RuntimeError(
                 f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, "

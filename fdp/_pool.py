@@ -549,8 +549,7 @@ class LoneReplica:
     There is nothing to hand over or wait for: this is :func:`run_replicas` for one replica,
     prepared once (per pmapped function) so that a call runs as little code as possible. A step
     of a millisecond notices every microsecond, and right after a step's kernels have evicted
-    this code from the caches each line costs several times its warm cost. Callers have checked
-    that they are not inside a replica.
+    this code from the caches each line costs several times its warm cost.
     """
 
     __slots__ = ("device", "axis_name", "caller", "_plain", "_context")
@@ -575,6 +574,9 @@ class LoneReplica:
             group = _call_group(1, (self.device,), self.axis_name)
             context = _replica.ReplicaContext(self.axis_name, 0, 1, self.device, group)
         previous = _replica.swap_current(context)
+        if previous is not None:  # called inside a replica: refused (one thread-local read)
+            _replica.swap_current(previous)
+            ensure_not_in_replica(self.caller)
         try:
             if rng_seed is None and self._plain:
                 return replica(*args)

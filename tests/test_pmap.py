@@ -823,3 +823,19 @@ def test_plans_follow_the_structure_when_calls_switch(n: int) -> None:
             out = f(pair, w)
             torch.testing.assert_close(out["p"], pair["p"] * w)
             torch.testing.assert_close(out["q"], pair["q"] * w)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_replicas_outputs_are_joined_as_several_replicas_outputs_are(n: int) -> None:
+    # One replica's output is returned as it is only where joining one piece would change
+    # nothing: a 0-dim tensor under an int axis still becomes a vector of one entry per replica.
+    def f(x):
+        return {"rows": x * 2, "total": x.sum(), "count": 3, "nothing": None}
+
+    out = fdp.pmap(f, devices=cpus(n))(torch.arange(4.0))
+    torch.testing.assert_close(out["rows"], torch.arange(4.0) * 2)
+    assert out["total"].shape == (n,) and out["count"] == 3 and out["nothing"] is None
+    unmapped = fdp.pmap(f, out_axes=None, devices=cpus(n))(torch.arange(4.0))
+    assert unmapped["total"].shape == ()
+    only_tensors = fdp.pmap(lambda x: (x, x.sum()), devices=cpus(n))(torch.arange(4.0))
+    assert only_tensors[1].shape == (n,)
