@@ -555,16 +555,16 @@ class _Spmd(torch.autograd.Function):
                 f"{op.name}'s backward inside a torch.func transform ran after the pmapped call "
                 "returned; every replica must run it together, inside the mapped function"
             )
-        if _shares_backward_thread(context):
-            device = context.device
+        device = grads[0].device if grads else context.device  # where this backward runs
+        if _shares_backward_thread(context, device):
             raise RuntimeError(
                 f"{op.name}'s backward inside a torch.func transform cannot run on replicas "
                 f"that share {device} (the call's devices: "
                 f"{', '.join(str(d) for d in context.group.devices)}): torch's autograd engine "
-                f"runs the backward of every {device.type} device on one thread, where replica "
-                f"{context.index}'s {op.name} would wait forever for the others' backward queued "
-                "behind it. Give each replica a device of its own, differentiate through the "
-                "whole pmapped call (backward() on its output), or keep the collective out of "
+                f"runs the backward of each {device.type} device on one thread of its own, where "
+                f"replica {context.index}'s {op.name} would wait forever for the others' backward "
+                "queued behind it. Give each replica a device of its own, differentiate through "
+                "the whole pmapped call (backward() on its output), or keep the collective out of "
                 f"the differentiated function (take the local gradients, then {op.name} them)."
             )
         if isinstance(op, _AllReduce) and op.reduce == "sum":
@@ -606,16 +606,18 @@ for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.vmap):
     _never_compiled(_method)
 
 
-def _shares_backward_thread(context: _replica.ReplicaContext) -> bool:
-    """Whether another replica of the call runs on this replica's (non-CPU) device.
+def _shares_backward_thread(context: _replica.ReplicaContext, device: torch.device) -> bool:
+    """Whether a backward collective of replica ``context`` on ``device`` would wait on a
+    thread that other replicas' backward passes need too.
 
     torch's autograd engine runs the backward of a CUDA (or other accelerator) device's tensors
     on one thread per device, not in the thread that asked for it; CPU backward runs in the
     asking thread. Replicas that share an accelerator therefore run their backward passes one
     after the other on one thread, and a backward collective, which waits for the others, would
-    wait forever there.
+    wait forever there. (When this runs in the replica's own thread, it is not the engine's.)
     """
-    device = context.device
+    if _replica.current() is context:
+        return False
     return device.type != "cpu" and context.group.devices.count(device) > 1
 
 

@@ -571,6 +571,8 @@ class LoneReplica:
         context = self._context
         group = None
         if context is None:
+            # Before the group: under fdp.distributed, making one talks to the other processes.
+            ensure_not_in_replica(self.caller)
             group = _call_group(1, (self.device,), self.axis_name)
             context = _replica.ReplicaContext(self.axis_name, 0, 1, self.device, group)
         previous = _replica.swap_current(context)
@@ -597,5 +599,6 @@ class LoneReplica:
                 group.done = True
 
 
-# The group of lone replicas without an axis name, which no collective can name: never changed.
+# The group of lone replicas without an axis name, which no collective can name: never changed
+# (its devices are left empty: it belongs to no one device).
 _NO_COLLECTIVES = _replica.CallGroup(1, ())

@@ -328,7 +328,7 @@ def test_a_backward_collective_that_would_wait_on_its_own_thread_raises(
 ) -> None:
     # Replicas sharing a GPU run their backward passes on one engine thread (see test_cuda);
     # here the check is forced on CPU replicas: every replica fails cleanly, none waits.
-    monkeypatch.setattr(_collectives, "_shares_backward_thread", lambda context: True)
+    monkeypatch.setattr(_collectives, "_shares_backward_thread", lambda context, device: True)
     step = per_row(lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x))
     with pytest.raises(RuntimeError, match=r"fdp.psum's backward .* cannot run on replicas that share"):
         finishes(lambda: step(rows()))
@@ -350,7 +350,11 @@ def test_which_replicas_share_a_backward_thread(devices: list[str], index: int, 
     on = [torch.device(d) for d in devices]
     group = _replica.CallGroup(len(on), on)
     context = _replica.ReplicaContext("i", index, len(on), on[index], group)
-    assert _collectives._shares_backward_thread(context) is shared
+    # Asked from another thread than the replica's (here: none is current), as the engine's is.
+    assert _collectives._shares_backward_thread(context, on[index]) is shared
+    assert not _collectives._shares_backward_thread(context, torch.device("cpu"))  # CPU tensors
+    with _replica.entered(context):  # in the replica's own thread: no engine thread involved
+        assert not _collectives._shares_backward_thread(context, on[index])
 
 
 def test_a_replica_that_skips_a_collective() -> None:

@@ -162,6 +162,14 @@ def test_grad_of_psum_on_two_replicas_of_one_gpu_raises_instead_of_hanging() -> 
     )
     with pytest.raises(RuntimeError, match="cannot run on replicas that share cuda:0"):
         finishes(lambda: step(torch.ones(2, 3, device="cuda")))
+    # The same collective on CPU tensors runs its backward in each replica's own thread.
+    on_cpu = fdp.pmap(
+        lambda x: torch.func.grad(lambda x: fdp.psum((x.cpu() ** 2).sum(), "i"))(x),
+        axis_name="i",
+        devices=TWO_ON_ONE,
+    )
+    x = torch.arange(6.0, device="cuda").reshape(2, 3)
+    torch.testing.assert_close(finishes(lambda: on_cpu(x)), 2 * 2 * x)
 
 
 def test_grad_of_psum_on_distinct_gpus() -> None:
