@@ -285,9 +285,12 @@ class Pmapped(Generic[P, R]):
                 statics[position] = value
             # Static positions stay as None (an empty subtree) so key paths keep their indices.
             args = tuple(None if k in statics else a for k, a in enumerate(args))
+        # No keyword arguments: None (an empty subtree) rather than an empty dict, whose
+        # structure _tree.LastStructure could not follow along (it is a dict).
+        keywords = kwargs or None
         if self.is_module:
-            return (head[0], args, kwargs), ("params", "args", "kwargs"), statics
-        return (args, kwargs), ("args", "kwargs"), statics
+            return (head[0], args, keywords), ("params", "args", "kwargs"), statics
+        return (args, keywords), ("args", "kwargs"), statics
 
     def _make_plan(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> _Plan:
         in_axes = self.in_axes
@@ -315,7 +318,7 @@ class Pmapped(Generic[P, R]):
         return _Plan(axes)
 
     def _call_replica(self, tree: tuple[Any, ...], statics: dict[int, Any]) -> Any:
-        args, kwargs = tree[-2], tree[-1]
+        args, kwargs = tree[-2], tree[-1] or {}
         if statics:
             args = tuple(statics.get(k, a) for k, a in enumerate(args))
         if not self.is_module:

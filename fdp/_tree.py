@@ -13,6 +13,7 @@ and so are, from the first time one is seen:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from collections.abc import Sequence
@@ -228,7 +229,12 @@ def flatten_like(
 ) -> tuple[list[Any], optree.PyTreeSpec]:
     """:func:`flatten` for a ``tree`` expected to have the structure ``spec`` with leaves of
     ``types`` (another replica's output): then ``spec.flatten_up_to``, at a tenth of the cost.
-    Anything else gets the full :func:`flatten`, so callers see the true structure."""
+    Anything else gets the full :func:`flatten`, so callers see the true structure.
+
+    Dict-like containers are matched by their keys, as ``flatten_up_to`` does: a replica whose
+    dict has another key order, or is an ``OrderedDict`` where the first replica's is a
+    ``dict``, counts as having the first one's structure, whose containers the result keeps.
+    """
     leaves = _along(tree, spec, types)
     return (leaves, spec) if leaves is not None else flatten(tree)
 
@@ -238,6 +244,11 @@ class LastStructure:
     function's arguments, call after call): a tree with the previous one's structure and leaf
     types is flattened along it with ``flatten_up_to``, at a tenth of the cost.
 
+    Only structures without dict-like containers or deques take that path: ``flatten_up_to``
+    matches those by their keys alone, not by their type, key order, ``default_factory`` or
+    ``maxlen``, and a structure kept from an earlier call would rebuild the caller's trees with
+    that call's containers. Trees with them are flattened in full every time.
+
     The caller can :meth:`keep` one value with the structure (what it worked out for it, e.g. a
     plan): :meth:`flatten` hands it back while trees repeat the structure, with no hash of the
     structure to look it up by.
@@ -246,27 +257,46 @@ class LastStructure:
     __slots__ = ("_last",)
 
     def __init__(self) -> None:
-        # (structure, leaf types, optree registry generation, kept value): one attribute,
-        # replaced whole, so concurrent calls never see a mix of two calls' entries.
-        self._last: tuple[optree.PyTreeSpec, list[type], int | None, Any] | None = None
+        # (structure, leaf types, optree registry generation, kept value, flattened along?):
+        # one attribute, replaced whole, so concurrent calls never see a mix of two calls'.
+        self._last: tuple[optree.PyTreeSpec, list[type], int | None, Any, bool] | None = None
 
     def flatten(self, tree: Any) -> tuple[list[Any], optree.PyTreeSpec, Any]:
         """``tree``'s leaves and structure, and the value kept with it (None if none)."""
         last = self._last
-        if last is not None and last[2] == _registry_generation():  # no type changed kind since
-            spec, types, _, kept = last
+        generation = _registry_generation()  # no type changed kind since: same structures
+        if last is not None and last[4] and last[2] == generation:
+            spec, types, _, kept, _ = last
             leaves = _along(tree, spec, types)
             if leaves is not None:
                 return leaves, spec, kept
         leaves, spec = flatten(tree)
-        self._last = (spec, list(map(type, leaves)), _registry_generation(), None)
-        return leaves, spec, None
+        types = list(map(type, leaves))
+        if last is not None and last[2] == generation and last[1] == types and last[0] == spec:
+            # The same structure up to dict key orders (which spec equality ignores): the same
+            # leaf order, so the kept value still holds, and the same kinds of containers.
+            along, kept = last[4], last[3]
+        else:
+            along, kept = _flattens_along(spec), None
+        self._last = (spec, types, generation, kept, along)
+        return leaves, spec, kept
 
     def keep(self, spec: optree.PyTreeSpec, value: Any) -> None:
         """Keeps ``value`` with ``spec`` if that is still the last structure flattened."""
         last = self._last
         if last is not None and last[0] is spec:
-            self._last = (spec, last[1], last[2], value)
+            self._last = (spec, last[1], last[2], value, last[4])
+
+
+# Containers that flatten_up_to matches by their keys alone (see LastStructure).
+_KEYED_CONTAINERS = (dict, collections.deque)
+
+
+def _flattens_along(spec: optree.PyTreeSpec) -> bool:
+    """Whether ``flatten_up_to`` along ``spec`` accepts only trees of exactly this structure."""
+    node_types: list[type] = []
+    spec.walk(range(spec.num_leaves), f_node=lambda node_type, data, children: node_types.append(node_type))
+    return not any(issubclass(t, _KEYED_CONTAINERS) for t in node_types)
 
 
 def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] | None:

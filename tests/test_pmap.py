@@ -839,3 +839,36 @@ def test_one_replicas_outputs_are_joined_as_several_replicas_outputs_are(n: int)
     assert unmapped["total"].shape == ()
     only_tensors = fdp.pmap(lambda x: (x, x.sum()), devices=cpus(n))(torch.arange(4.0))
     assert only_tensors[1].shape == (n,)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_dict_containers_are_each_calls_own_even_when_the_keys_repeat(n: int) -> None:
+    # optree's flatten_up_to matches dict-likes by their keys alone: a structure kept from an
+    # earlier call must not hand the replicas, or the caller, that call's dict types and orders.
+    x = torch.arange(4.0)
+    seen: list[tuple[type, list[str]]] = []
+
+    def f(tree):
+        seen.append((type(tree), list(tree)))
+        return {"total": tree["a"].sum(), **tree}  # 0-dim: joined, so the output is rebuilt
+
+    mapped = fdp.pmap(f, devices=cpus(n))
+    calls = [
+        {"a": x, "b": x},
+        {"a": x, "b": x},
+        {"b": x, "a": x},
+        collections.OrderedDict(b=x, a=x),
+        collections.defaultdict(list, a=x, b=x),
+        collections.defaultdict(int, a=x, b=x),
+    ]
+    for tree in calls:
+        seen.clear()
+        out = mapped(tree)
+        assert seen == [(type(tree), list(tree))] * n
+        assert type(out) is dict and list(out) == ["total", *tree]
+    keyed = fdp.pmap(lambda t: t, devices=cpus(n))
+    for tree in calls:
+        out = keyed(tree)
+        assert type(out) is type(tree) and list(out) == list(tree)
+        if isinstance(tree, collections.defaultdict):
+            assert out.default_factory is tree.default_factory
