@@ -246,8 +246,9 @@ class LastStructure:
 
     Only structures without dict-like containers or deques take that path: ``flatten_up_to``
     matches those by their keys alone, not by their type, key order, ``default_factory`` or
-    ``maxlen``, and a structure kept from an earlier call would rebuild the caller's trees with
-    that call's containers. Trees with them are flattened in full every time.
+    ``maxlen`` (by design, so that ``tree_map`` can mix a ``dict`` with an ``OrderedDict``:
+    metaopt/optree#27), and a structure kept from an earlier call would rebuild the caller's
+    trees with that call's containers. Trees with them are flattened in full every time.
 
     The caller can :meth:`keep` one value with the structure (what it worked out for it, e.g. a
     plan): :meth:`flatten` hands it back while trees repeat the structure, with no hash of the
