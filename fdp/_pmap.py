@@ -154,7 +154,8 @@ class Pmapped(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         caller = self._caller
-        # (A call inside a replica is refused where the replicas run: _pool.run_replicas, LoneReplica.)
+        # A call inside a replica is refused by the lone runner (one thread-local read) or
+        # before the scatter.
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise RuntimeError(
                 f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, "
@@ -205,6 +206,7 @@ class Pmapped(Generic[P, R]):
         """The general path: one shard per replica, run on the pool. Returns the replicas'
         outputs and the devices of the replicas that ran."""
         caller = self._caller
+        _pool.ensure_not_in_replica(caller)  # before any copy to a device
         scattered = _scatter.scatter_leaves(
             leaves,
             plan.axes,

@@ -108,6 +108,19 @@ def test_nested_pmap_is_refused() -> None:
     assert "fdp.pmap(test_nested_pmap_is_refused.<locals>.<lambda>)" in str(info.value)
 
 
+def test_nested_pmap_is_refused_before_its_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fdp import _scatter
+
+    scattered: list[int] = []
+    scatter = _scatter.scatter_leaves
+    monkeypatch.setattr(_scatter, "scatter_leaves", lambda *a, **k: scattered.append(1) or scatter(*a, **k))
+    inner = fdp.pmap(lambda x: x, devices=cpus(2))
+    outer = fdp.pmap(lambda x: inner(x), devices=["cpu"])
+    with pytest.raises(RuntimeError, match="already running as replica 0 of 1"):
+        outer(torch.zeros(4))
+    assert scattered == []  # the inner call moved nothing to its devices
+
+
 def test_failing_call_does_not_mutate_inputs() -> None:
     x = torch.arange(6.0)
     tree = {"x": x, "y": torch.zeros(5)}
