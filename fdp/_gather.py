@@ -80,24 +80,17 @@ def gather_outputs(
     ``devices`` are the replicas' devices and ``inputs`` the call's input leaves, for
     ``PER_REPLICA`` outputs (see :func:`_own_copies`).
     """
-    if structure is not None:
-        leaves, treespec, plan = structure.flatten(outputs[0])
-    else:
-        (leaves, treespec), plan = _tree.flatten(outputs[0]), None
-    if plan is None:
-        plan = plans.get(treespec) if plans is not None else None
-        if plan is None:
-            axes = _axes.leaf_axes(out_axes, outputs[0], what="out_axes", tree_name="the output")
-            plan = OutputPlan(treespec, axes)
-            if plans is not None:
-                plans[treespec] = plan
-        if structure is not None:
-            structure.keep(treespec, plan)
-    flat = [(leaves, treespec)]
-    if len(outputs) == 1:
+    lone = len(outputs) == 1
+    # A lone replica's output is returned as it is where it can be, with nothing rebuilt from
+    # its structure, which may then be matched loosely (see _tree.LastStructure).
+    leaves, treespec, plan = _flat_output(outputs[0], out_axes, plans, structure, exact=not lone)
+    if lone:
         if _whole_as_it_is(leaves, plan, destination):
             return outputs[0]  # one replica, nothing to join, already on the destination
-    else:
+        if structure is not None and not structure.exact(treespec):  # to be rebuilt from it
+            leaves, treespec, plan = _flat_output(outputs[0], out_axes, plans, structure, exact=True)
+    flat = [(leaves, treespec)]
+    if not lone:
         types = list(map(type, leaves))
         flat += [_tree.flatten_like(out, treespec, types) for out in outputs[1:]]
         for r, (_, other) in enumerate(flat[1:], start=1):
@@ -123,6 +116,31 @@ def gather_outputs(
         else:
             joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
     return _tree.unflatten(treespec, joined)
+
+
+def _flat_output(
+    output: Any,
+    out_axes: Any,
+    plans: dict[optree.PyTreeSpec, OutputPlan] | None,
+    structure: _tree.LastStructure | None,
+    *,
+    exact: bool,
+) -> tuple[list[Any], optree.PyTreeSpec, OutputPlan]:
+    """Replica 0's output flattened (along the last call's with ``structure``), and its plan."""
+    if structure is not None:
+        leaves, treespec, plan = structure.flatten(output, exact=exact)
+    else:
+        (leaves, treespec), plan = _tree.flatten(output), None
+    if plan is None:
+        plan = plans.get(treespec) if plans is not None else None
+        if plan is None:
+            axes = _axes.leaf_axes(out_axes, output, what="out_axes", tree_name="the output")
+            plan = OutputPlan(treespec, axes)
+            if plans is not None:
+                plans[treespec] = plan
+        if structure is not None:
+            structure.keep(treespec, plan)
+    return leaves, treespec, plan
 
 
 def _whole_as_it_is(leaves: list[Any], plan: OutputPlan, destination: torch.device) -> bool:

@@ -166,13 +166,10 @@ class Pmapped(Generic[P, R]):
             )
         devices, output_device = self._devices_and_output()
         parts, roots, statics = self._parts(args, kwargs)
-        leaves, treespec, plan = self._inputs.flatten(parts)
-        if plan is None:  # a structure other than the last call's
-            plan = self._plans.get(treespec)
-            if plan is None:
-                plan = self._plans[treespec] = self._make_plan(parts, roots)
-            self._inputs.keep(treespec, plan)
         lone = self._lone
+        # A lone replica takes the argument trees as they are, with nothing rebuilt from their
+        # structure, which may then be matched loosely (see _tree.LastStructure).
+        leaves, treespec, plan = self._arguments(parts, roots, exact=lone is None)
         if lone is not None and _scatter.fits_one_cpu_replica(leaves, plan.axes, all_zero=plan.all_zero):
             # One CPU replica, and scattering would hand it every leaf unchanged: it takes the
             # argument trees as they are. Around a step of a millisecond, the skipped work
@@ -180,6 +177,8 @@ class Pmapped(Generic[P, R]):
             outputs = [lone(self._call_replica, parts, statics)]
             run_on: tuple[torch.device, ...] = devices
         else:
+            if lone is not None and not self._inputs.exact(treespec):  # rebuilt from it: exactly
+                leaves, treespec, plan = self._arguments(parts, roots, exact=True)
             outputs, run_on = self._scatter_and_run(leaves, treespec, plan, devices, parts, roots, statics)
         return _gather.gather_outputs(
             outputs,
@@ -192,6 +191,19 @@ class Pmapped(Generic[P, R]):
             devices=run_on,
             inputs=leaves,
         )
+
+    def _arguments(
+        self, parts: tuple[Any, ...], roots: tuple[str, ...], *, exact: bool
+    ) -> tuple[list[Any], optree.PyTreeSpec, _Plan]:
+        """The argument trees' leaves and structure (along the last call's where they repeat
+        it), and the structure's plan."""
+        leaves, treespec, plan = self._inputs.flatten(parts, exact=exact)
+        if plan is None:  # a structure other than the last call's
+            plan = self._plans.get(treespec)
+            if plan is None:
+                plan = self._plans[treespec] = self._make_plan(parts, roots)
+            self._inputs.keep(treespec, plan)
+        return leaves, treespec, plan
 
     def _scatter_and_run(
         self,

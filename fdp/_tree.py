@@ -250,6 +250,11 @@ class LastStructure:
     metaopt/optree#27), and a structure kept from an earlier call would rebuild the caller's
     trees with that call's containers. Trees with them are flattened in full every time.
 
+    With ``exact=False`` a tree that repeats the last structure up to those containers' types
+    and key orders is flattened along it too, for callers that rebuild nothing from the
+    structure returned (a lone replica gets its arguments as they were passed, and returns its
+    output as it is where it can): its leaves come in the order of the last structure's.
+
     The caller can :meth:`keep` one value with the structure (what it worked out for it, e.g. a
     plan): :meth:`flatten` hands it back while trees repeat the structure, with no hash of the
     structure to look it up by.
@@ -262,11 +267,11 @@ class LastStructure:
         # one attribute, replaced whole, so concurrent calls never see a mix of two calls'.
         self._last: tuple[optree.PyTreeSpec, list[type], int | None, Any, bool] | None = None
 
-    def flatten(self, tree: Any) -> tuple[list[Any], optree.PyTreeSpec, Any]:
+    def flatten(self, tree: Any, *, exact: bool = True) -> tuple[list[Any], optree.PyTreeSpec, Any]:
         """``tree``'s leaves and structure, and the value kept with it (None if none)."""
         last = self._last
         generation = _registry_generation()  # no type changed kind since: same structures
-        if last is not None and last[4] and last[2] == generation:
+        if last is not None and (last[4] or not exact) and last[2] == generation:
             spec, types, _, kept, _ = last
             leaves = _along(tree, spec, types)
             if leaves is not None:
@@ -281,6 +286,12 @@ class LastStructure:
             along, kept = _flattens_along(spec), None
         self._last = (spec, types, generation, kept, along)
         return leaves, spec, kept
+
+    def exact(self, spec: optree.PyTreeSpec) -> bool:
+        """Whether ``spec``, as :meth:`flatten` returned it, is surely the tree's own structure
+        (not one matched loosely with ``exact=False``)."""
+        last = self._last
+        return last is not None and last[0] is spec and last[4]
 
     def keep(self, spec: optree.PyTreeSpec, value: Any) -> None:
         """Keeps ``value`` with ``spec`` if that is still the last structure flattened."""

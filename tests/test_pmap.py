@@ -870,5 +870,10 @@ def test_dict_containers_are_each_calls_own_even_when_the_keys_repeat(n: int) ->
     for tree in calls:
         out = keyed(tree)
         assert type(out) is type(tree) and list(out) == list(tree)
+    # A number among the arguments: one replica's arguments go through the scatter after all.
+    for tree in [{"a": x, "n": 3}, {"a": x, "n": 3}, collections.OrderedDict(n=3, a=x)]:
+        seen.clear()
+        mapped(tree)
+        assert seen == [(type(tree), list(tree))] * n
         if isinstance(tree, collections.defaultdict):
             assert out.default_factory is tree.default_factory
