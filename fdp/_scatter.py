@@ -182,17 +182,29 @@ def _split_all_on_cpu(
     """Every leaf a CPU tensor of one batch size along axis 0, every replica on the CPU: split
     them all with one pass per step, in C where possible. None when that does not hold; the
     general path then handles the input, errors included."""
-    if any(d.type != "cpu" for d in devices):
+    cpu = _devices.CPU
+    if not all([d == cpu for d in devices]):
         return None
-    batch = _batch_along_0_on_cpu(leaves)
-    if batch is None:
+    if (
+        not leaves
+        or not _tree.TENSOR_TYPES.issuperset(map(type, leaves))
+        or not all([t.is_cpu for t in leaves])
+    ):
         return None
-    sizes = _split.shard_sizes(batch, len(devices), split)
+    shape = leaves[0].shape
+    if not shape or not shape[0]:
+        return None
+    sizes = _split.shard_sizes(shape[0], len(devices), split)
     run_on = devices[: len(sizes)]
     if len(sizes) == 1:
-        return Scattered([list(leaves)], run_on, sizes, [])
-    rows = [list(row) for row in zip(*[t.split_with_sizes(sizes) for t in leaves])]
-    return Scattered(rows, run_on, sizes, [])
+        return Scattered([list(leaves)], run_on, sizes, []) if _batch_along_0_on_cpu(leaves) else None
+    try:
+        # split_with_sizes checks every other leaf's batch: a size that differs, or a rank of
+        # 0, raises (no per-leaf test in Python needed).
+        pieces = [t.split_with_sizes(sizes) for t in leaves]
+    except RuntimeError:
+        return None
+    return Scattered([list(row) for row in zip(*pieces)], run_on, sizes, [])
 
 
 def _place_replicated(

@@ -877,3 +877,32 @@ def test_dict_containers_are_each_calls_own_even_when_the_keys_repeat(n: int) ->
         assert seen == [(type(tree), list(tree))] * n
         if isinstance(tree, collections.defaultdict):
             assert out.default_factory is tree.default_factory
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "match"),
+    [
+        (
+            torch.zeros(4),
+            torch.tensor(1.0),
+            r"args\[1\] of type float32\[\] along axis 0, so its rank should be at least 1",
+        ),
+        (
+            torch.zeros(3),
+            torch.zeros(4, 2),
+            r"inconsistent sizes .*axis 0 of args\[1\] of type float32\[4,2\]",
+        ),
+        (
+            torch.zeros(4, 2),
+            torch.zeros(0, 2),
+            r"inconsistent sizes .*axis 0 of args\[1\] of type float32\[0,2\]",
+        ),
+    ],
+)
+def test_a_later_leaf_that_cannot_be_split_like_the_first_is_named(
+    first: torch.Tensor, second: torch.Tensor, match: str
+) -> None:
+    # The all-CPU scatter sizes the shards by the first leaf and lets split_with_sizes check
+    # the others; a leaf it refuses gets the general path's message.
+    with pytest.raises(ValueError, match=f"(?s){match}"):
+        fdp.pmap(lambda a, b: a, devices=cpus(2))(first, second)
