@@ -70,9 +70,13 @@ def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str) -> list[Any]:
     ``tree`` must already have gone through ``_tree.flatten`` (dataclasses registered).
     """
     try:
-        return optree.broadcast_prefix(spec, tree, namespace=_tree.NAMESPACE)
+        axes = optree.broadcast_prefix(spec, tree, namespace=_tree.NAMESPACE)
     except ValueError:
         pass
+    else:
+        if _tree.has_keyed_containers(spec):
+            return _in_tree_order(spec, tree)
+        return axes
     # Slow path, for the message only: optree says where the structures part ways.
     details = [
         _shorten(err(what).args[0]) for err in optree.prefix_errors(spec, tree, namespace=_tree.NAMESPACE)
@@ -82,6 +86,24 @@ def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str) -> list[Any]:
         f"{what} specification must be a tree prefix of {tree_name}, but {what}={spec!r} "
         f"does not match {tree_name} of structure {structure}.\n" + "\n".join(details[:3])
     ) from None
+
+
+def _in_tree_order(spec: Any, tree: Any) -> list[Any]:
+    """The axes of ``tree``'s leaves, matched to the prefix ``spec`` by key path.
+
+    ``optree.broadcast_prefix`` lists them in the prefix's order at dict-like nodes, which is
+    not the tree's flattening order where an ``OrderedDict``'s keys are not sorted, or where an
+    ``OrderedDict`` prefix meets a ``dict``. (``optree.tree_broadcast_prefix`` would rebuild the
+    tree's own containers around the axes, running dataclasses' ``__post_init__`` on them.)
+    """
+    paths, axes, _ = optree.tree_flatten_with_path(spec, namespace=_tree.NAMESPACE)
+    by_path = dict(zip(paths, axes))
+    result = []
+    for path in optree.tree_paths(tree, namespace=_tree.NAMESPACE):
+        # The prefix leaf above this leaf: the longest start of its path that the prefix has.
+        depth = next(k for k in range(len(path), -1, -1) if path[:k] in by_path)
+        result.append(by_path[path[:depth]])
+    return result
 
 
 def _shorten(message: str, limit: int = 300) -> str:

@@ -193,7 +193,7 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
     for r, packed in enumerate(packs[1:], start=1):
         if packed.metadata == first.metadata:
             continue
-        if packed.treespec != first.treespec:
+        if not _tree.same_structure(packed.treespec, first.treespec):
             raise ValueError(
                 f"{caller}: the replicas passed trees of different structure: replica 0 passed "
                 f"{first.treespec} but replica {r} passed {packed.treespec}"

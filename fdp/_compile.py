@@ -77,7 +77,7 @@ class Turns:
 
     def __init__(self) -> None:
         self._keys: OrderedDict[Any, None] = OrderedDict()
-        self._layouts: dict[optree.PyTreeSpec, _Layout] = {}
+        self._layouts: _tree.SpecCache[_Layout] = _tree.SpecCache()
         self._states: list[Any] = []
         self._compiled_last_call = True
 

@@ -101,8 +101,8 @@ class Pmapped(Generic[P, R]):
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
         self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure,
-        self._plans: dict[optree.PyTreeSpec, _Plan] = {}
-        self._out_plans: dict[optree.PyTreeSpec, _gather.OutputPlan] = {}
+        self._plans: _tree.SpecCache[_Plan] = _tree.SpecCache()
+        self._out_plans: _tree.SpecCache[_gather.OutputPlan] = _tree.SpecCache()
         self._outputs = _tree.LastStructure()  # replica 0's outputs, with their plan kept
         self._timing = _pool.Timing()  # how long replicas run: small ones run inline
         # When the replicas of the compiled function must take turns (while dynamo compiles).

@@ -14,10 +14,11 @@ and so are, from the first time one is seen:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 import torch
@@ -27,6 +28,9 @@ __all__ = [
     "flatten",
     "flatten_like",
     "LastStructure",
+    "SpecCache",
+    "same_structure",
+    "has_keyed_containers",
     "unflatten",
     "flatten_with_paths",
     "describe",
@@ -278,7 +282,7 @@ class LastStructure:
                 return leaves, spec, kept
         leaves, spec = flatten(tree)
         types = list(map(type, leaves))
-        if last is not None and last[2] == generation and last[1] == types and last[0] == spec:
+        if last is not None and last[2] == generation and last[1] == types and same_structure(last[0], spec):
             # The same structure up to dict key orders (which spec equality ignores): the same
             # leaf order, so the kept value still holds, and the same kinds of containers.
             along, kept = last[4], last[3]
@@ -300,8 +304,44 @@ class LastStructure:
             self._last = (spec, last[1], last[2], value, last[4])
 
 
+_V = TypeVar("_V")
+
+
+class SpecCache(dict[optree.PyTreeSpec, _V]):
+    """A dict keyed by tree structures (plans and layouts, per input or output structure).
+
+    A structure holding node data that cannot be compared with ``==`` (a tensor in a
+    dataclass's non-node field) is never found nor kept: comparing it with another structure of
+    equal hash would raise.
+    """
+
+    def get(self, spec: optree.PyTreeSpec, default: Any = None) -> Any:  # type: ignore[override]
+        try:
+            return super().get(spec, default)
+        except (ValueError, TypeError, RuntimeError):
+            return default
+
+    def __setitem__(self, spec: optree.PyTreeSpec, value: _V) -> None:
+        with contextlib.suppress(ValueError, TypeError, RuntimeError):
+            super().__setitem__(spec, value)
+
+
+def same_structure(a: optree.PyTreeSpec, b: optree.PyTreeSpec) -> bool:
+    """``a == b``, False where node data cannot be compared with ``==`` (a tensor in a
+    dataclass's non-node field): such structures are never known to be the same."""
+    try:
+        return bool(a == b)
+    except (ValueError, TypeError, RuntimeError):
+        return False
+
+
 # Containers that flatten_up_to matches by their keys alone (see LastStructure).
 _KEYED_CONTAINERS = (dict, collections.deque)
+
+
+def has_keyed_containers(tree: Any) -> bool:
+    """Whether ``tree`` has dict-like containers or deques (see :class:`LastStructure`)."""
+    return not _flattens_along(optree.tree_structure(tree, namespace=NAMESPACE))
 
 
 def _flattens_along(spec: optree.PyTreeSpec) -> bool:
@@ -320,7 +360,9 @@ def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] |
     """
     try:
         leaves = spec.flatten_up_to(tree)
-    except ValueError:  # a different node somewhere
+    except (ValueError, TypeError, RuntimeError):
+        # A different node somewhere, or node data that cannot be compared with == (a tensor
+        # in a dataclass's non-node field): then not known to be the same structure.
         return None
     return leaves if list(map(type, leaves)) == types else None
 

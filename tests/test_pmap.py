@@ -870,13 +870,54 @@ def test_dict_containers_are_each_calls_own_even_when_the_keys_repeat(n: int) ->
     for tree in calls:
         out = keyed(tree)
         assert type(out) is type(tree) and list(out) == list(tree)
+        if isinstance(tree, collections.defaultdict):
+            assert out.default_factory is tree.default_factory
     # A number among the arguments: one replica's arguments go through the scatter after all.
     for tree in [{"a": x, "n": 3}, {"a": x, "n": 3}, collections.OrderedDict(n=3, a=x)]:
         seen.clear()
         mapped(tree)
         assert seen == [(type(tree), list(tree))] * n
-        if isinstance(tree, collections.defaultdict):
-            assert out.default_factory is tree.default_factory
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_axes_given_by_key_follow_the_keys_whatever_their_order(n: int) -> None:
+    # optree.broadcast_prefix lists a dict prefix's axes in the prefix's key order; an
+    # OrderedDict argument or output whose keys come in another order must still get each
+    # key's own axis.
+    a, b = torch.arange(4.0), torch.tensor([10.0, 20.0, 30.0, 40.0])
+    expected = a + b.sum()
+    by_dict = fdp.pmap(lambda d: d["a"] + d["b"].sum(), in_axes=({"a": 0, "b": None},), devices=cpus(n))
+    torch.testing.assert_close(by_dict(collections.OrderedDict(b=b, a=a)), expected)  # fresh
+    torch.testing.assert_close(by_dict({"a": a, "b": b}), expected)
+    torch.testing.assert_close(by_dict(collections.OrderedDict(b=b, a=a)), expected)  # after a dict
+    by_ordered = fdp.pmap(
+        lambda d: d["a"] + d["b"].sum(), in_axes=(collections.OrderedDict(b=None, a=0),), devices=cpus(n)
+    )
+    torch.testing.assert_close(by_ordered({"a": a, "b": b}), expected)
+    out = fdp.pmap(
+        lambda x: collections.OrderedDict(b=x[:1] * 0 + x.shape[0], a=x),
+        out_axes={"a": 0, "b": None},
+        devices=cpus(n),
+    )(a)
+    torch.testing.assert_close(out["a"], a)  # joined along 0
+    assert out["b"].tolist() == [4.0 / n]  # replica 0's value
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dataclass_with_a_tensor_in_a_non_node_field_can_be_passed_again_and_again(n: int) -> None:
+    # Structures compare node data with ==: a tensor there cannot be compared, and such a
+    # structure is never taken for another (no cached plan found by it, no flatten along it).
+    @dataclasses.dataclass
+    class Tagged:
+        x: torch.Tensor
+        tag: torch.Tensor = dataclasses.field(metadata={"pytree_node": False})
+
+    double = fdp.pmap(lambda t: Tagged(t.x * 2, t.tag), devices=cpus(n))
+    for _ in range(3):
+        tag = torch.tensor([1.0, 2.0])
+        out = double(Tagged(torch.arange(4.0), tag))
+        torch.testing.assert_close(out.x, torch.arange(4.0) * 2)
+        assert out.tag is tag
 
 
 @pytest.mark.parametrize(
