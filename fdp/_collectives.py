@@ -168,7 +168,7 @@ class _Packed:
             else:
                 self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
             self.aliased.append(len(members) == 1)
-        self.metadata = (treespec, tuple((t.dtype, tuple(t.shape)) for t in self.leaves))
+        self.metadata = tuple((t.dtype, tuple(t.shape)) for t in self.leaves)
 
     def private_buffers(self) -> list[torch.Tensor]:
         """The buffers, none sharing memory with a leaf: for replicas that read each other's
@@ -191,13 +191,13 @@ class _Packed:
 def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
     first = packs[0]
     for r, packed in enumerate(packs[1:], start=1):
-        if packed.metadata == first.metadata:
-            continue
         if not _tree.same_structure(packed.treespec, first.treespec):
             raise ValueError(
                 f"{caller}: the replicas passed trees of different structure: replica 0 passed "
                 f"{first.treespec} but replica {r} passed {packed.treespec}"
             )
+        if packed.metadata == first.metadata:
+            continue
         paths = _tree.flatten_with_paths(first.tree, "x")[0]
         for k, (a, b) in enumerate(zip(first.leaves, packed.leaves)):
             if (a.dtype, a.shape) != (b.dtype, b.shape):

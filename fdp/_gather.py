@@ -94,7 +94,7 @@ def gather_outputs(
         types = list(map(type, leaves))
         flat += [_tree.flatten_like(out, treespec, types) for out in outputs[1:]]
         for r, (_, other) in enumerate(flat[1:], start=1):
-            if other is not treespec and not _tree.same_structure(other, treespec):
+            if not _tree.same_structure(other, treespec):
                 raise ValueError(
                     f"{caller}: the replicas returned outputs of different structure: replica 0 "
                     f"returned {treespec} but replica {r} returned {other}. Every replica must "

@@ -306,6 +306,10 @@ class LastStructure:
 
 _V = TypeVar("_V")
 
+# What comparing structures raises where their node data cannot be compared with == (e.g. a
+# tensor in a dataclass's non-node field, whose == is elementwise and has no truth value).
+_UNCOMPARABLE = (ValueError, TypeError, RuntimeError)
+
 
 class SpecCache(dict[optree.PyTreeSpec, _V]):
     """A dict keyed by tree structures (plans and layouts, per input or output structure).
@@ -318,20 +322,22 @@ class SpecCache(dict[optree.PyTreeSpec, _V]):
     def get(self, spec: optree.PyTreeSpec, default: Any = None) -> Any:  # type: ignore[override]
         try:
             return super().get(spec, default)
-        except (ValueError, TypeError, RuntimeError):
+        except _UNCOMPARABLE:
             return default
 
     def __setitem__(self, spec: optree.PyTreeSpec, value: _V) -> None:
-        with contextlib.suppress(ValueError, TypeError, RuntimeError):
+        with contextlib.suppress(*_UNCOMPARABLE):
             super().__setitem__(spec, value)
 
 
 def same_structure(a: optree.PyTreeSpec, b: optree.PyTreeSpec) -> bool:
     """``a == b``, False where node data cannot be compared with ``==`` (a tensor in a
     dataclass's non-node field): such structures are never known to be the same."""
+    if a is b:
+        return True
     try:
         return bool(a == b)
-    except (ValueError, TypeError, RuntimeError):
+    except _UNCOMPARABLE:
         return False
 
 
@@ -360,7 +366,7 @@ def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] |
     """
     try:
         leaves = spec.flatten_up_to(tree)
-    except (ValueError, TypeError, RuntimeError):
+    except _UNCOMPARABLE:
         # A different node somewhere, or node data that cannot be compared with == (a tensor
         # in a dataclass's non-node field): then not known to be the same structure.
         return None

@@ -6,6 +6,7 @@ replicas is a reduction over the rows.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -373,6 +374,22 @@ def test_replicas_calling_different_collectives() -> None:
 
     with pytest.raises(ValueError, match="the replicas called different collectives"):
         finishes(lambda: per_row(f)(rows()))
+
+
+def test_trees_with_a_tensor_in_a_non_node_field() -> None:
+    # Structures compare node data with ==, which a tensor answers elementwise: the same tensor
+    # object on every replica is the same structure; a tensor of each replica's own cannot be
+    # told equal, which is a structure error rather than torch's "ambiguous" RuntimeError.
+    @dataclasses.dataclass
+    class Tagged:
+        x: torch.Tensor
+        tag: torch.Tensor = dataclasses.field(metadata={"pytree_node": False})
+
+    shared = torch.tensor([1.0, 2.0])
+    out = per_row(lambda x: fdp.psum(Tagged(x, shared), "i").x)(rows())
+    torch.testing.assert_close(out, rows().sum(0, keepdim=True).expand(N, -1))
+    with pytest.raises(ValueError, match="the replicas passed trees of different structure"):
+        finishes(lambda: per_row(lambda x: fdp.psum(Tagged(x, torch.tensor([1.0, 2.0])), "i").x)(rows()))
 
 
 def test_replicas_passing_different_shapes() -> None:
