@@ -807,6 +807,50 @@ def test_a_type_registered_with_optree_between_calls_is_a_container_from_then_on
         optree.unregister_pytree_node(Pair, namespace="fdp")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("namespace", ["fdp", "a-tensor-library"])
+def test_a_tensor_subclass_registered_as_a_node_is_a_container(namespace: str) -> None:
+    # fdp tells optree that tensors are leaves (it flattens faster so), except where a tensor
+    # type is registered as a node: then optree's registration decides, as it does without fdp.
+    class Scaled(torch.Tensor):
+        scale: float
+
+    def scaled(values: torch.Tensor, scale: float) -> Scaled:
+        out = values.as_subclass(Scaled)
+        out.scale = scale
+        return out
+
+    # First a registry of the same size as it will have with Scaled, seen by a flatten: fdp
+    # must tell registries apart by what they hold, not by their size.
+    class Other:
+        pass
+
+    optree.register_pytree_node(Other, lambda o: ((), None), lambda *_: Other(), namespace="fdp")  # type: ignore[arg-type]
+    fdp.scatter(torch.zeros(2), cpus(2))
+    optree.unregister_pytree_node(Other, namespace="fdp")  # type: ignore[arg-type]
+    optree.register_pytree_node(
+        Scaled,  # type: ignore[arg-type]
+        lambda s: ((s.as_subclass(torch.Tensor),), s.scale, None),
+        lambda scale, children: scaled(children[0], scale),
+        namespace=namespace,
+    )
+    try:
+        seen: list[type] = []
+
+        def f(s):
+            seen.append(type(s))
+            return scaled(s.as_subclass(torch.Tensor) * s.scale, s.scale)
+
+        out = fdp.pmap(f, devices=cpus(2))(scaled(torch.arange(4.0), 3.0))
+        assert type(out) is Scaled and out.scale == 3.0  # rebuilt from the joined child
+        torch.testing.assert_close(out.as_subclass(torch.Tensor), torch.arange(4.0) * 3)
+        assert seen == [Scaled, Scaled]
+        assert fdp.scatter(scaled(torch.arange(4.0), 2.0), cpus(2))[1].scale == 2.0
+    finally:
+        optree.unregister_pytree_node(Scaled, namespace=namespace)  # type: ignore[arg-type]
+        if namespace != "fdp":
+            optree.unregister_pytree_node(Scaled, namespace="fdp")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_plans_follow_the_structure_when_calls_switch(n: int) -> None:
     # Each structure's in and out plans are kept with the last structure seen: calls that
