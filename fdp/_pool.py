@@ -348,6 +348,8 @@ def run_replicas(
       wake-up, the others are not handed over at first. If replica 0 returns without meeting
       the others in a collective, no replica may call one (SPMD), so the caller runs them one
       after another; if it enters a collective, the others go to their workers right then.
+      Without an axis name no replica can call a collective at all: the caller runs them one
+      after another from the start, with none of the hand-over machinery (:func:`_run_in_caller`).
     * **Stealing**: otherwise, once replica 0 returns without having met the others, the caller
       runs the replicas that no worker has started yet.
 
@@ -358,6 +360,14 @@ def run_replicas(
     if n == 1:
         return [LoneReplica(devices[0], axis_name=axis_name, caller=caller)(replicas[0])]
     devices = tuple(devices[:n])
+    if (
+        axis_name is None
+        and timing is not None
+        and not take_turns
+        and _is_small(timing, n)
+        and _may_run_inline(all([d == _devices.CPU for d in devices]))
+    ):
+        return _run_in_caller(devices, replicas, caller=caller, timing=timing)
     rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _call_group(n, devices, axis_name)
     if take_turns:
@@ -433,8 +443,7 @@ def run_replicas(
                 workers[i - 1].tasks.put(tasks[i])
 
     inline_ok = _may_run_inline(types == {"cpu"})
-    small = timing is not None and timing.seconds is not None and timing.seconds * (n - 1) < _wake_seconds
-    if inline_ok and small:
+    if inline_ok and _is_small(timing, n):
 
         def hand_over() -> None:  # replica 0 entered a collective: the others must run now
             try:
@@ -501,6 +510,54 @@ def run_replicas(
             # Only aborted replicas: the failure that aborted them (a failed hand-over) is the news.
             errors[group.failed_index or 0] = group.failed
         raise _reported_failure(errors, devices, caller, group)
+    return results
+
+
+def _is_small(timing: Timing | None, n: int) -> bool:
+    """Whether running ``n - 1`` replicas of this function one after another takes less time
+    than waking a worker (see :func:`run_replicas`)."""
+    return timing is not None and timing.seconds is not None and timing.seconds * (n - 1) < _wake_seconds
+
+
+def _run_in_caller(
+    devices: tuple[torch.device, ...],
+    replicas: Sequence[Callable[[], Any]],
+    *,
+    caller: str,
+    timing: Timing,
+) -> list[Any]:
+    """Small CPU replicas without an axis name, one after another in the caller's thread.
+
+    No collective can name their axis, so none waits for another: this is what
+    :func:`run_replicas` does for them, without the call group, claims and latch that replicas
+    handed to workers need (tens of microseconds on a call that may take a hundred).
+    """
+    n = len(replicas)
+    rng_seed = _random.active_seed()
+    state = _thread_state.capture()
+    results = []
+    for i, replica in enumerate(replicas):
+        previous = _replica.swap_current(_replica.ReplicaContext(None, i, n, devices[i], _NO_COLLECTIVES))
+        try:
+            # Every replica but the first enters the caller's state again, in case the one
+            # before changed it, as a worker would.
+            with (
+                _thread_state.applied(state) if i else _NULL_CONTEXT,
+                _random.replica_scope(rng_seed, i),
+            ):
+                if i:
+                    results.append(replica())
+                else:
+                    start = time.perf_counter()
+                    results.append(replica())
+                    timing.record(time.perf_counter() - start)
+        except BaseException as error:
+            errors: list[BaseException | None] = [None] * n
+            errors[i] = error
+            _reported_failure(errors, devices, caller, _NO_COLLECTIVES)  # notes on the error
+            raise
+        finally:
+            _replica.swap_current(previous)
     return results
 
 

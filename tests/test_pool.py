@@ -214,6 +214,51 @@ def test_failing_inline_replica_reports_like_a_worker(monkeypatch: pytest.Monkey
     torch.testing.assert_close(mapped(torch.ones(3)), torch.ones(3))
 
 
+def test_inline_replicas_without_an_axis_name_fail_like_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No collective can join replicas without an axis name: the caller runs them one after
+    # another, each as its own replica, and stops at the first failure.
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    ran: list[int] = []
+    fail = [False]
+
+    def f(x):
+        index = int(x)  # the input says which replica this is
+        ran.append(index)
+        if fail[0] and index == 1:
+            raise KeyError("replica 1")
+        return x
+
+    mapped = fdp.pmap(f, devices=cpus(3))
+    mapped(torch.arange(3.0))
+    ran.clear()
+    fail[0] = True
+    with pytest.raises(KeyError) as info:
+        mapped(torch.arange(3.0))
+    assert info.value.__notes__ == [f"{mapped._caller}: raised by replica 1 of 3 (device cpu)"]
+    assert ran == [0, 1]
+    fail[0] = False
+    torch.testing.assert_close(mapped(torch.arange(3.0)), torch.arange(3.0))
+
+
+def test_inline_replicas_without_an_axis_name_know_which_replica_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    inner = fdp.pmap(lambda x: x, devices=cpus(2))
+    nest = [False]
+
+    def f(x):
+        if nest[0] and int(x) == 2:
+            inner(x)
+        return x
+
+    mapped = fdp.pmap(f, devices=cpus(3))
+    mapped(torch.arange(3.0))
+    nest[0] = True
+    with pytest.raises(RuntimeError, match=r"already running as replica 2 of 3 \(device cpu\)"):
+        mapped(torch.arange(3.0))
+
+
 def test_no_inline_running_under_a_function_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     # A worker does not see the caller's modes; which thread runs a replica must not matter.
     monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
