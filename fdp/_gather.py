@@ -169,17 +169,24 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
     """Every leaf of every replica a CPU tensor, all of one rank > 0, all concatenated along
     axis 0 on the CPU: join them with one pass per step. None when that does not hold (or a
     ``cat`` fails); the general path then handles the output, errors included."""
-    every = [t for leaves in per_replica for t in leaves]
-    if not every or not _tree.TENSOR_TYPES.issuperset(map(type, every)):
-        return None
-    ranks = [t.dim() for t in per_replica[0]]
-    if 0 in ranks or not all([t.is_cpu for t in every]):
-        return None
-    if any([t.dim() for t in leaves] != ranks for leaves in per_replica[1:]):
+    # Replica 0's leaves are tested here; the others need only their ranks compared, because
+    # torch.cat refuses what else could differ (a non-tensor, a tensor on another device) and
+    # the general path then reports it. The ranks must be compared: cat skips an empty 1-D
+    # tensor beside tensors of another rank, for backward compatibility.
+    tensor_types = _tree.TENSOR_TYPES
+    ranks = []
+    for t in per_replica[0]:
+        if type(t) not in tensor_types or not t.is_cpu:
+            return None
+        ranks.append(t.dim())
+    if not ranks or 0 in ranks:
         return None
     try:
+        for leaves in per_replica[1:]:
+            if [t.dim() for t in leaves] != ranks:
+                return None
         return [torch.cat(column) for column in zip(*per_replica)]
-    except RuntimeError:
+    except (RuntimeError, TypeError, AttributeError):  # AttributeError: a leaf with no dim()
         return None
 
 

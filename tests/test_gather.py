@@ -81,10 +81,12 @@ def test_gather_errors() -> None:
 # --- the all-tensor CPU path gives what the general path gives ----------------------------------
 
 
-def test_empty_1d_piece_is_not_silently_dropped_by_cat() -> None:
+@pytest.mark.parametrize("empty_first", [True, False])
+def test_empty_1d_piece_is_not_silently_dropped_by_cat(empty_first: bool) -> None:
     # torch.cat skips 1-d empty tensors next to others of any rank; a replica's rank must match.
+    pieces = [{"y": torch.zeros(0)}, {"y": torch.ones(2, 3)}]
     with pytest.raises(ValueError, match="cannot concatenate"):
-        fdp.gather([{"y": torch.zeros(0)}, {"y": torch.ones(2, 3)}], "cpu")
+        fdp.gather(pieces if empty_first else pieces[::-1], "cpu")
 
 
 def test_scalars_and_mixed_leaves_take_the_general_path() -> None:
