@@ -69,10 +69,8 @@ class Pmapped(Generic[P, R]):
         what = self._caller
         self.in_axes = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
         self.out_axes = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
-        try:
-            hash(axis_name)
-        except TypeError:
-            raise TypeError(f"{what}: axis_name must be hashable, got {axis_name!r}") from None
+        self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
+        self._lone: _pool.LoneReplica | None = None  # with the devices: one CPU replica's runner
         self.axis_name = axis_name
         self.split = _split.check_split(split, what=f"{what} split")
         self._devices_arg = (
@@ -96,8 +94,6 @@ class Pmapped(Generic[P, R]):
         self._compiled = _compile.compiled(
             _compile.own_code(_functional_call.swapped_call) if self.is_module else fn, compile, what=what
         )
-        self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
-        self._lone: _pool.LoneReplica | None = None  # with the devices: one CPU replica's runner
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
         self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure,
@@ -119,6 +115,21 @@ class Pmapped(Generic[P, R]):
         if instance is None:
             return self
         return functools.partial(self, instance)
+
+    @property
+    def axis_name(self) -> Hashable | None:
+        """The name by which collectives in the mapped function refer to the mapped axis."""
+        return self._axis_name
+
+    @axis_name.setter
+    def axis_name(self, axis_name: Hashable | None) -> None:
+        try:
+            hash(axis_name)
+        except TypeError:
+            raise TypeError(f"{self._caller}: axis_name must be hashable, got {axis_name!r}") from None
+        self._axis_name = axis_name
+        # A lone replica's runner is built with the name: built again on the next call.
+        self._resolved = self._lone = None
 
     @property
     def devices(self) -> tuple[torch.device, ...]:

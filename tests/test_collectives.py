@@ -183,6 +183,17 @@ def test_axis_index_and_size() -> None:
 # --- names -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_axis_name_set_after_a_call_is_used_from_the_next_call(n: int) -> None:
+    mapped = fdp.pmap(lambda x: x, devices=cpus(n))
+    mapped(torch.ones(2))
+    mapped.fn = lambda x: fdp.psum(x, "i")
+    mapped.axis_name = "i"
+    torch.testing.assert_close(mapped(torch.ones(2)), torch.full((2,), float(n)))
+    with pytest.raises(TypeError, match=r"axis_name must be hashable, got \[\]"):
+        mapped.axis_name = []
+
+
 def test_unbound_axis_names() -> None:
     with pytest.raises(NameError, match="unbound axis name: i"):
         fdp.psum(torch.ones(1), "i")
