@@ -169,10 +169,11 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
     """Every leaf of every replica a CPU tensor, all of one rank > 0, all concatenated along
     axis 0 on the CPU: join them with one pass per step. None when that does not hold (or a
     ``cat`` fails); the general path then handles the output, errors included."""
-    # Replica 0's leaves are tested here; the others need only their ranks compared, because
-    # torch.cat refuses what else could differ (a non-tensor, a tensor on another device) and
-    # the general path then reports it. The ranks must be compared: cat skips an empty 1-D
-    # tensor beside tensors of another rank, for backward compatibility.
+    # Replica 0's leaves are tested for their device here; the others' device is left to
+    # torch.cat, which refuses tensors on different devices (the general path then moves
+    # them). Every leaf's type is tested: cat would hand a non-tensor with __torch_function__
+    # the call. The ranks must be compared: cat skips an empty 1-D tensor beside tensors of
+    # another rank, for backward compatibility.
     tensor_types = _tree.TENSOR_TYPES
     ranks = []
     for t in per_replica[0]:
@@ -181,12 +182,13 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
         ranks.append(t.dim())
     if not ranks or 0 in ranks:
         return None
-    try:
-        for leaves in per_replica[1:]:
-            if [t.dim() for t in leaves] != ranks:
+    for leaves in per_replica[1:]:
+        for t, rank in zip(leaves, ranks):
+            if type(t) not in tensor_types or t.dim() != rank:
                 return None
+    try:
         return [torch.cat(column) for column in zip(*per_replica)]
-    except (RuntimeError, TypeError, AttributeError):  # AttributeError: a leaf with no dim()
+    except RuntimeError:
         return None
 
 

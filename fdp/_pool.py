@@ -537,6 +537,7 @@ def _run_in_caller(
     state = _thread_state.capture()
     results = []
     for i, replica in enumerate(replicas):
+        start = time.perf_counter()
         previous = _replica.swap_current(_replica.ReplicaContext(None, i, n, devices[i], _NO_COLLECTIVES))
         try:
             # Every replica but the first enters the caller's state again, in case the one
@@ -545,12 +546,7 @@ def _run_in_caller(
                 _thread_state.applied(state) if i else _NULL_CONTEXT,
                 _random.replica_scope(rng_seed, i),
             ):
-                if i:
-                    results.append(replica())
-                else:
-                    start = time.perf_counter()
-                    results.append(replica())
-                    timing.record(time.perf_counter() - start)
+                results.append(replica())
         except BaseException as error:
             errors: list[BaseException | None] = [None] * n
             errors[i] = error
@@ -558,6 +554,8 @@ def _run_in_caller(
             raise
         finally:
             _replica.swap_current(previous)
+            if not i:  # replica 0's whole run, failed or not, as run_replicas times it
+                timing.record(time.perf_counter() - start)
     return results
 
 

@@ -60,7 +60,7 @@ _REGISTERED: set[type] = set()
 # Other types found to be leaves. A user may register one with optree later, so this cache is
 # emptied whenever the types registered with optree change.
 _SEEN_LEAF_TYPES: set[type] = set()
-_seen_generation: tuple[Any, ...] | None = None
+_seen_generation: tuple[int, Any] | None = None
 # Dataclasses that cannot be rebuilt from their fields (no generated __init__, InitVars): they
 # stay leaves, and splitting one that holds tensors is an error (see unsplittable_reason).
 OPAQUE_DATACLASSES: dict[type, str] = {}
@@ -161,11 +161,20 @@ def _adopt_registration(cls: type, namespaces: list[str]) -> None:
 _NODE_TYPES = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
 
 
-def _registry_generation() -> tuple[Any, ...] | None:
-    """What optree's registry holds now, to compare with what it held before: its keys (the
-    registered types, with their namespaces). Their number alone would miss one type
-    unregistered and another registered in between; this costs ~0.2 us more."""
-    return tuple(_NODE_TYPES) if isinstance(_NODE_TYPES, dict) else None
+def _registry_generation() -> tuple[int, Any] | None:
+    """A summary of optree's registry that changes when it does: its size and its last key.
+
+    A registration appends its key (the type, with its namespace) to the dict, so after any
+    registration the last key is one that was not there before; an unregistration alone
+    shrinks it. The size alone would miss one type unregistered and another registered in
+    between. (What this misses: the last type unregistered, other types swapped, and the last
+    type registered again, in between two calls.) Both are read in constant time: the whole
+    key list would cost more per call with every type registered (fdp registers every
+    dataclass it meets).
+    """
+    if not isinstance(_NODE_TYPES, dict):
+        return None
+    return len(_NODE_TYPES), next(reversed(_NODE_TYPES), None)
 
 
 # isinstance(x, torch.Tensor), as a function implemented in C, for optree's ``is_leaf``: optree
@@ -175,7 +184,7 @@ def _registry_generation() -> tuple[Any, ...] | None:
 # twice as fast.
 _IS_TENSOR = torch.Tensor.__instancecheck__
 # (registry generation, the is_leaf to flatten with), recomputed when the registry changes.
-_leaf_test: tuple[tuple[Any, ...] | None, Any] = (None, None)
+_leaf_test: tuple[tuple[int, Any] | None, Any] = (None, None)
 
 
 def is_leaf() -> Any:
@@ -309,7 +318,7 @@ class LastStructure:
     def __init__(self) -> None:
         # (structure, leaf types, optree registry generation, kept value, flattened along?):
         # one attribute, replaced whole, so concurrent calls never see a mix of two calls'.
-        self._last: tuple[optree.PyTreeSpec, list[type], tuple[Any, ...] | None, Any, bool] | None = None
+        self._last: tuple[optree.PyTreeSpec, list[type], tuple[int, Any] | None, Any, bool] | None = None
 
     def flatten(self, tree: Any, *, exact: bool = True) -> tuple[list[Any], optree.PyTreeSpec, Any]:
         """``tree``'s leaves and structure, and the value kept with it (None if none)."""

@@ -89,6 +89,25 @@ def test_empty_1d_piece_is_not_silently_dropped_by_cat(empty_first: bool) -> Non
         fdp.gather(pieces if empty_first else pieces[::-1], "cpu")
 
 
+def test_a_tensor_like_object_beside_tensors_is_refused_not_concatenated() -> None:
+    # torch.cat would hand the call to the object's __torch_function__, which could accept it.
+    class TensorLike:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def dim(self) -> int:
+            return self.t.dim()
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.cat:
+                return torch.cat([a.t if isinstance(a, TensorLike) else a for a in args[0]])
+            return NotImplemented
+
+    with pytest.raises(ValueError, match="a mix of tensors and other values"):
+        fdp.gather([{"y": torch.zeros(2)}, {"y": TensorLike(torch.ones(1))}], "cpu")
+
+
 def test_scalars_and_mixed_leaves_take_the_general_path() -> None:
     out = fdp.gather(
         [

@@ -232,10 +232,12 @@ def test_inline_replicas_without_an_axis_name_fail_like_workers(monkeypatch: pyt
     mapped(torch.arange(3.0))
     ran.clear()
     fail[0] = True
+    before = mapped._timing.seconds
     with pytest.raises(KeyError) as info:
         mapped(torch.arange(3.0))
     assert info.value.__notes__ == [f"{mapped._caller}: raised by replica 1 of 3 (device cpu)"]
     assert ran == [0, 1]
+    assert mapped._timing.seconds != before  # replica 0, run by the caller, is timed too
     fail[0] = False
     torch.testing.assert_close(mapped(torch.arange(3.0)), torch.arange(3.0))
 
