@@ -116,6 +116,123 @@ def test_tied_weights_and_strict() -> None:
         fdp.functional_call(net, {}, (torch.ones(1, 2),), strict=True)
 
 
+# --- the direct swap into the skeleton, and where torch.func.functional_call's own handling runs --
+
+
+def _both(module: nn.Module, params: dict, *args, **kwargs):
+    """fdp's and torch's results (or exceptions) for the same call, each with its own dict."""
+    results = []
+    for call in (fdp.functional_call, torch.func.functional_call):
+        given = dict(params)
+        try:
+            results.append((call(module, given, args, **kwargs), given))
+        except Exception as error:  # noqa: BLE001 - compared below
+            results.append((type(error), str(error)))
+    return results
+
+
+def test_a_plain_tree_takes_the_direct_swap_and_matches_torch() -> None:
+    net = Net()
+    skeleton = _functional_call._checkout(net)
+    assert skeleton.by_path is not None and set(skeleton.by_path) == {"", "fc", "norm"}
+    _functional_call._release(net, skeleton)
+    params = {**random_params(net), "norm.running_mean": torch.randn(3)}
+    (ours, ours_given), (theirs, theirs_given) = _both(net, params, torch.randn(5, 4))
+    torch.testing.assert_close(ours, theirs)
+    # BatchNorm updated the given running statistics in place, in both.
+    torch.testing.assert_close(ours_given["norm.running_mean"], theirs_given["norm.running_mean"])
+
+
+def test_a_buffer_that_forward_reassigns_comes_back_in_the_callers_dict() -> None:
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count = self.count + 1  # a new tensor, not an in-place change
+            return x * self.count
+
+    (ours, ours_given), (theirs, theirs_given) = _both(Counter(), {"count": torch.tensor(4.0)}, torch.ones(2))
+    torch.testing.assert_close(ours, theirs)
+    assert ours_given["count"].item() == theirs_given["count"].item() == 5.0
+
+
+def test_a_submodule_reached_by_two_paths_is_left_to_torch() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2, bias=False)
+            self.b = self.a  # one module, two names: its weight is tied to itself
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    net = Shared()
+    skeleton = _functional_call._checkout(net)
+    assert skeleton.by_path is None
+    _functional_call._release(net, skeleton)
+    x = torch.ones(1, 2)
+    (ours, _), (theirs, _) = _both(net, {"b.weight": torch.eye(2) * 3}, x)
+    torch.testing.assert_close(ours, theirs)
+    # Two different values for one tied tensor: torch refuses, and so does fdp.
+    conflicting = {"a.weight": torch.eye(2), "b.weight": torch.eye(2) * 3}
+    ours, theirs = _both(net, conflicting, x)
+    assert ours[0] is theirs[0] and issubclass(ours[0], Exception) and ours[1] == theirs[1]
+
+
+def test_parametrized_modules_and_unusual_arguments_are_left_to_torch() -> None:
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    parametrize.register_parametrization(net[0], "weight", Symmetric())
+    skeleton = _functional_call._checkout(net)
+    assert skeleton.by_path is None
+    _functional_call._release(net, skeleton)
+    x = torch.randn(2, 3)
+    (ours, _), (theirs, _) = _both(net, {"0.bias": torch.ones(3)}, x)
+    torch.testing.assert_close(ours, theirs)
+
+    plain = Net().eval()
+    weights, biases = {"fc.weight": torch.ones(3, 4)}, {"fc.bias": torch.zeros(3)}
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(  # a sequence of dicts
+        fdp.functional_call(plain, (weights, biases), x),
+        torch.func.functional_call(plain, (weights, biases), x),
+    )
+    for params in (
+        {"fc.weight": torch.ones(3, 4), "not.a.name": torch.ones(1)},  # set as an attribute
+        {"fc.weight": torch.ones(3, 4), "scale": torch.tensor(2.0)},  # an attribute, not a buffer
+        {"fc.weight": "not a tensor"},
+    ):
+        ours, theirs = _both(plain, params, torch.randn(2, 4))
+        if isinstance(theirs[0], torch.Tensor):
+            torch.testing.assert_close(ours[0], theirs[0])
+        else:
+            assert ours == theirs
+        assert not hasattr(plain, "not") and plain.scale == 1.0  # the module itself untouched
+
+
+def test_submodules_rearranged_between_calls_are_checked_again() -> None:
+    # The skeleton meets its copies in the order the module had when it was built: a module
+    # moved under a later one is met before its new parent, and its tensors (here tied to the
+    # other module's) must still be looked at.
+    net = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Sequential(nn.Linear(2, 2, bias=False)))
+    x = torch.randn(3, 2)
+    fdp.functional_call(net, random_params(net), (x,))
+    a, b = net[0], net[1][0]
+    net[0], net[1][0] = b, a
+    a.weight = b.weight
+    params = {"0.weight": torch.randn(2, 2)}
+    torch.testing.assert_close(
+        fdp.functional_call(net, params, (x,)), torch.func.functional_call(net, params, (x,))
+    )
+
+
 def test_lstm_uses_the_given_weights() -> None:
     lstm = nn.LSTM(3, 4)
     params = random_params(lstm)
