@@ -96,7 +96,7 @@ class Pmapped(Generic[P, R]):
         )
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
-        self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure,
+        self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure
         self._plans: _tree.SpecCache[_Plan] = _tree.SpecCache()
         self._out_plans: _tree.SpecCache[_gather.OutputPlan] = _tree.SpecCache()
         self._outputs = _tree.LastStructure()  # replica 0's outputs, with their plan kept

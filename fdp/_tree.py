@@ -122,20 +122,12 @@ def _register_dataclass(cls: type) -> None:
 def _namespaces_registering(cls: type) -> list[str]:
     """The optree namespaces (other than fdp's) in which ``cls`` is registered as a node.
 
-    optree has no public listing of namespaces, so their names are read off its registry's keys;
-    the entries themselves come from the public ``register_pytree_node.get``. If optree's
-    internals change, this finds nothing and such types stay leaves.
+    optree has no public listing of namespaces, so their names are read off its registry's keys
+    (:func:`_registrations`); the entries themselves come from the public
+    ``register_pytree_node.get``. If optree's internals change, this finds nothing and such
+    types stay leaves.
     """
-    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
-    if not isinstance(registry, dict):
-        return []
-    return sorted(
-        {
-            key[0]
-            for key in list(registry)
-            if isinstance(key, tuple) and len(key) == 2 and key[1] is cls and key[0] != NAMESPACE
-        }
-    )
+    return sorted({namespace for namespace, node in _registrations() if node is cls} - {"", NAMESPACE})
 
 
 def _adopt_registration(cls: type, namespaces: list[str]) -> None:
@@ -157,8 +149,18 @@ def _adopt_registration(cls: type, namespaces: list[str]) -> None:
     )
 
 
-# optree's registry of node types (one dict, changed in place), to tell when it changed.
+# optree's registry of node types (one dict, changed in place): read for the namespaces that
+# register a type, and to tell when it changed. Not public: where it is missing, fdp adopts no
+# registration from other namespaces and leaves the telling of tensors apart to optree.
 _NODE_TYPES = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+
+
+def _registrations() -> list[tuple[str, Any]]:
+    """``(namespace, type)`` for every node type registered with optree; ``""`` is the global
+    namespace (optree's built-in types, keyed by the type alone)."""
+    if not isinstance(_NODE_TYPES, dict):
+        return []
+    return [key if isinstance(key, tuple) and len(key) == 2 else ("", key) for key in list(_NODE_TYPES)]
 
 
 def _registry_generation() -> tuple[int, Any] | None:
@@ -207,11 +209,10 @@ def is_leaf() -> Any:
 
 def _tensor_nodes_registered() -> bool:
     """Whether some tensor type is registered with optree as a node where fdp flattens."""
-    for key in list(_NODE_TYPES or ()):
-        namespace, cls = key if isinstance(key, tuple) and len(key) == 2 else ("", key)
-        if namespace in ("", NAMESPACE) and isinstance(cls, type) and issubclass(cls, torch.Tensor):
-            return True
-    return False
+    return any(
+        namespace in ("", NAMESPACE) and isinstance(node, type) and issubclass(node, torch.Tensor)
+        for namespace, node in _registrations()
+    )
 
 
 def _register_new_node_types(leaves: Sequence[Any]) -> bool:
