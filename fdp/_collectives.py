@@ -129,14 +129,20 @@ def axis_size(axis_name: Hashable) -> int:
 
 # --- packing a tree into flat buffers ----------------------------------------------------------
 
+# torch's own packing for coalesced collectives (DDP's and apex's buckets): a cat of flat views,
+# and views of a flat buffer shaped like given tensors, each in one call.
+_flatten_dense = torch._C._nn.flatten_dense_tensors
+_unflatten_dense = torch._C._nn.unflatten_dense_tensors
+
 
 class _Packed:
     """A tree's tensor leaves as one flat buffer per (device, dtype)."""
 
-    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "buffers", "aliased", "metadata")
+    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "metadata")
 
     def __init__(self, tree: Any, caller: str, device: torch.device) -> None:
         leaves, treespec = _tree.flatten(tree)
+        untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
         self.treespec = treespec
         self.leaves = list(leaves)
@@ -152,12 +158,12 @@ class _Packed:
                 )
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
         self.keys = list(groups)
+        self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
         self.slots: dict[int, tuple[int, int, int]] = {}
         self.buffers: list[torch.Tensor] = []
         self.aliased: list[bool] = []  # buffer b may share memory with the leaf it holds
-        for b, key in enumerate(self.keys):
-            members = groups[key]
+        for b, members in enumerate(self.members):
             offset = 0
             for k in members:
                 numel = self.leaves[k].numel()
@@ -165,7 +171,11 @@ class _Packed:
                 offset += numel
             if len(members) == 1:
                 self.buffers.append(self.leaves[members[0]].reshape(-1))
-            else:
+            elif untransformed:
+                # One call, one release of the GIL: a reshape and a cat per leaf cost a GIL
+                # hand-over each while another replica runs Python beside this one.
+                self.buffers.append(_flatten_dense([self.leaves[k] for k in members]))
+            else:  # torch.func's transforms have no rule for flatten_dense_tensors
                 self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
             self.aliased.append(len(members) == 1)
         self.metadata = tuple((t.dtype, tuple(t.shape)) for t in self.leaves)
@@ -182,6 +192,13 @@ class _Packed:
         piece in the leaf's shape).
         """
         out = list(self.leaves)
+        if leaf_result is None and torch._C._functorch.peek_interpreter_stack() is None:
+            # One call per buffer (see __init__): views of it shaped like the leaves it holds.
+            for b, members in enumerate(self.members):
+                views = _unflatten_dense(buffers[b], [self.leaves[k] for k in members])
+                for k, view in zip(members, views):
+                    out[k] = view
+            return _tree.unflatten(self.treespec, out)
         for k, (b, offset, numel) in self.slots.items():
             piece = buffers[b].narrow(-1, offset, numel)
             out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)

@@ -204,9 +204,11 @@ def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
     own = []
     for v in values:
         if isinstance(v, torch.Tensor) and v.numel() > 0:
-            if _storage(v) in taken:
+            storage = _storage(v)
+            if storage in taken:
                 v = v.clone()
-            taken.add(_storage(v))
+                storage = _storage(v)
+            taken.add(storage)
         own.append(v)
     return own
 

@@ -82,6 +82,39 @@ def test_collectives_over_dicts_with_mixed_dtypes() -> None:
     torch.testing.assert_close(means["b"], tree["b"].mean(0, keepdim=True).expand(N, -1))
 
 
+def test_trees_of_many_shapes_and_layouts_keep_them_and_their_gradients() -> None:
+    # Several leaves share one flat buffer per dtype: empty, non-contiguous and 0-dim-per-row
+    # leaves must come back in their shapes, with values and gradients as over the batch.
+    torch.manual_seed(0)
+    tree = {
+        "empty": torch.zeros(N, 0, 3),
+        "strided": torch.randn(N, 3, 2).transpose(1, 2),  # each replica's row is not contiguous
+        "row": torch.randn(N),
+        "wide": torch.randn(N, 5, dtype=torch.float64),
+        "also": [torch.randn(N, 2, 2), torch.randn(N, 1, dtype=torch.float64)],
+    }
+    tree = optree.tree_map(lambda t: t.requires_grad_(), tree)
+    leaves = optree.tree_leaves(tree)
+    weights = [torch.randn(t.shape, dtype=t.dtype) for t in leaves]
+
+    def sums(t: Any) -> Any:
+        return optree.tree_map(lambda x: x.sum(0, keepdim=True).expand(x.shape), t)
+
+    for run in (per_row(lambda t: fdp.psum(t, "i")), sums):
+        out = run(tree)
+        assert optree.tree_structure(out) == optree.tree_structure(tree)
+        got = optree.tree_leaves(out)
+        assert [t.shape for t in got] == [t.shape for t in leaves]
+        loss = sum((t * w).sum() for t, w in zip(got, weights))
+        grads = torch.autograd.grad(loss, leaves)
+        if run is sums:
+            expected_out, expected_grads = got, grads
+        else:
+            actual_out, actual_grads = got, grads
+    torch.testing.assert_close(actual_out, expected_out)
+    torch.testing.assert_close(actual_grads, expected_grads)
+
+
 def test_psum_of_numbers_counts_replicas() -> None:
     out = fdp.pmap(lambda x: fdp.psum(1, "i") + x * 0, axis_name="i", devices=cpus(8))(torch.zeros(10))
     assert out.tolist() == [5.0] * 10  # 10 rows over 8 devices: 5 replicas
