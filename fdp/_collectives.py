@@ -138,7 +138,9 @@ _unflatten_dense = torch._C._nn.unflatten_dense_tensors
 class _Packed:
     """A tree's tensor leaves as one flat buffer per (device, dtype)."""
 
-    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "metadata")
+    __slots__ = (
+        "tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "whole", "metadata"
+    )  # fmt: skip
 
     def __init__(self, tree: Any, caller: str, device: torch.device) -> None:
         leaves, treespec = _tree.flatten(tree)
@@ -163,12 +165,16 @@ class _Packed:
         self.slots: dict[int, tuple[int, int, int]] = {}
         self.buffers: list[torch.Tensor] = []
         self.aliased: list[bool] = []  # buffer b may share memory with the leaf it holds
+        # Whether buffer b holds no empty leaf: unflatten_dense_tensors gives an empty leaf a
+        # new tensor, not a view of the buffer, which would cut it from autograd.
+        self.whole: list[bool] = []
         for b, members in enumerate(self.members):
             offset = 0
             for k in members:
                 numel = self.leaves[k].numel()
                 self.slots[k] = (b, offset, numel)
                 offset += numel
+            self.whole.append(all([self.slots[k][2] for k in members]))
             if len(members) == 1:
                 self.buffers.append(self.leaves[members[0]].reshape(-1))
             elif untransformed:
@@ -192,16 +198,17 @@ class _Packed:
         piece in the leaf's shape).
         """
         out = list(self.leaves)
-        if leaf_result is None and torch._C._functorch.peek_interpreter_stack() is None:
-            # One call per buffer (see __init__): views of it shaped like the leaves it holds.
-            for b, members in enumerate(self.members):
-                views = _unflatten_dense(buffers[b], [self.leaves[k] for k in members])
-                for k, view in zip(members, views):
+        untransformed = torch._C._functorch.peek_interpreter_stack() is None
+        for b, members in enumerate(self.members):
+            if leaf_result is None and untransformed and self.whole[b]:
+                # One call per buffer (see __init__): views of it shaped like its leaves.
+                for k, view in zip(members, _unflatten_dense(buffers[b], [self.leaves[k] for k in members])):
                     out[k] = view
-            return _tree.unflatten(self.treespec, out)
-        for k, (b, offset, numel) in self.slots.items():
-            piece = buffers[b].narrow(-1, offset, numel)
-            out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
+                continue
+            for k in members:
+                _, offset, numel = self.slots[k]
+                piece = buffers[b].narrow(-1, offset, numel)
+                out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
         return _tree.unflatten(self.treespec, out)
 
 
@@ -733,7 +740,8 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
     short shard's rows twice.
 
     Args:
-        x: a pytree of floating-point tensors.
+        x: a pytree of floating-point (or complex) tensors and numbers; Python ints and bools
+            average as floats of the default dtype.
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
         weight: this replica's weight, or ``None`` for equal weights. Default: ``None``.
 
@@ -748,7 +756,7 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         >>> mean_of_means(torch.tensor([1.0, 2.0, 3.0]))  # shards [1, 2] and [3]
         tensor(2.)
     """
-    _check_floating(x, "fdp.pmean")
+    x = _floating(x, "fdp.pmean")
     if weight is None:
         packed, results = _run(_AllReduce("sum", "mean"), x, axis_name)
         return packed.unpack(results)
@@ -759,10 +767,15 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
     return packed.unpack(results)
 
 
-def _check_floating(x: Any, caller: str) -> None:
+def _floating(x: Any, caller: str) -> Any:
+    """``x`` with Python ints and bools as floats (their mean is one), once its tensors are
+    checked to be floating-point or complex."""
     leaves, _ = _tree.flatten(x)
     if all([not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() for t in leaves]):
-        return  # key paths are only worked out for the message
+        if not any([isinstance(t, int) for t in leaves]):  # bools are ints
+            return x
+        return optree.tree_map(lambda v: float(v) if isinstance(v, int) else v, x, namespace=_tree.NAMESPACE)
+    # Key paths are only worked out for the message.
     paths, leaves, _ = _tree.flatten_with_paths(x, "x")
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
@@ -770,6 +783,7 @@ def _check_floating(x: Any, caller: str) -> None:
                 f"{caller} averages floating-point tensors, but {path} is {_tree.describe(leaf)}; "
                 "use fdp.psum for integer counts"
             )
+    return x  # not reached: some leaf failed the test above
 
 
 @_eager_under_compile

@@ -115,6 +115,34 @@ def test_trees_of_many_shapes_and_layouts_keep_them_and_their_gradients() -> Non
     torch.testing.assert_close(actual_grads, expected_grads)
 
 
+@pytest.mark.parametrize(
+    "collective",
+    [fdp.psum, fdp.pmean, fdp.pmax, lambda t, name: fdp.ppermute(t, name, [(0, 1), (1, 2), (2, 3), (3, 0)])],
+)
+def test_an_empty_leaf_stays_differentiable_on_its_own(collective: Any) -> None:
+    # The result of an empty leaf is a view of the flat buffer like any other, so a loss that
+    # depends on it alone still reaches the inputs (torch's unflatten gives it a new tensor).
+    x = torch.zeros(N, 0, 2, requires_grad=True)
+    y = rows().requires_grad_()
+    out = per_row(lambda x, y: collective({"empty": x * 2, "full": y}, "i"))(x, y)
+    assert out["empty"].shape == x.shape and out["empty"].grad_fn is not None
+    (grad,) = torch.autograd.grad(out["empty"].sum(), x)
+    assert grad.shape == x.shape
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pmean_of_python_numbers_is_a_float_mean(weighted: bool) -> None:
+    # Ints and bools average to floats, as their mean is one (jax.lax.pmean divides too).
+    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
+    def mean(x: torch.Tensor) -> Any:
+        numbers = {"int": 3, "bool": True, "float": 2.5}
+        return fdp.pmean(numbers, "i", weight=x.shape[0] if weighted else None)
+
+    out = mean(torch.zeros(3))
+    assert {k: v.dtype for k, v in out.items()} == dict.fromkeys(out, torch.get_default_dtype())
+    assert {k: v.item() for k, v in out.items()} == {"int": 3.0, "bool": 1.0, "float": 2.5}
+
+
 def test_psum_of_numbers_counts_replicas() -> None:
     out = fdp.pmap(lambda x: fdp.psum(1, "i") + x * 0, axis_name="i", devices=cpus(8))(torch.zeros(10))
     assert out.tolist() == [5.0] * 10  # 10 rows over 8 devices: 5 replicas
