@@ -69,8 +69,8 @@ def steps(kind: str) -> tuple[dict[str, Any], dict[str, str]]:
             loss = F.cross_entropy(fdp.functional_call(model, leaves, (x,)), y)
             grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
             grads = fdp.pmean(grads, "b", weight=x.shape[0])
-            updates, opt_state = opt.update(grads, state["opt"], state["params"])
-            return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
+            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": new_params, "opt": opt_state}
 
         box = {"state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, devices)}
 

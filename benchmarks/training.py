@@ -145,8 +145,8 @@ def fdp_variants(kind: str, *, compiled: bool) -> dict[str, Any]:
         )
         def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
             grads = fdp.pmean(grad_fn(state["params"], x, y), "b", weight=x.shape[0])
-            updates, opt_state = opt.update(grads, state["opt"], state["params"])
-            return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
+            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": new_params, "opt": opt_state}
 
         resident = {
             "state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, ["cpu", "cpu"])

@@ -109,9 +109,9 @@ def build_steps(model: nn.Module, opt: optim.GradientTransformation, devices: li
         # The one exchange of the step: gradients, loss and BatchNorm statistics, averaged with
         # each replica weighted by its number of rows.
         grads, loss, statistics = fdp.pmean((grads, loss, statistics), "batch", weight=x.shape[0])
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
         new_state = {
-            "params": optim.apply_updates(state["params"], updates),
+            "params": params,
             "opt": opt_state,
             "buffers": {**buffers, **statistics},
         }

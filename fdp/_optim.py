@@ -16,10 +16,17 @@ Adam's normalisation amplifies. The tests hold 100 steps to 1e-6 of ``torch.opti
 
 Like ``torch.optim``, updates are computed without autograd (``torch.no_grad``): parameters
 that require grad do not grow a graph step after step.
+
+:meth:`GradientTransformation.apply_gradients` does ``update`` and :func:`apply_updates` in one:
+for these optimizers (and a :func:`chain` ending in one) it returns the new parameters as
+computed, torch's own, without the two extra passes over every parameter that forming
+``new - params`` and adding it back take. For a model of a few megabytes, those passes cost
+as much as its forward pass on a small batch.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -61,6 +68,74 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Tree], Any]
     update: Callable[[Tree, Any, Tree | None], tuple[Tree, Any]]
+
+    def apply_gradients(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
+        """One optimizer step: the new parameters and the new state (flax's
+        ``TrainState.apply_gradients``, functionally).
+
+        The result of ``update`` followed by :func:`apply_updates`. fdp's optimizers, and a
+        :func:`chain` that ends in one, compute it in one pass: the parameters come back as
+        ``torch.optim`` computes them, bit for bit where it runs the same kernels, with no
+        update tensors formed and added back (two passes over every parameter, without autograd).
+
+        Args:
+            grads: the gradients, a tree like ``params``.
+            state: the optimizer state (from ``init`` or the last step).
+            params: the parameters.
+
+        Returns:
+            ``(new_params, new_state)``.
+
+        Examples:
+            >>> import torch
+            >>> from fdp import optim
+            >>> opt = optim.sgd(0.1)
+            >>> params = {"w": torch.ones(2)}
+            >>> params, state = opt.apply_gradients({"w": torch.ones(2)}, opt.init(params), params)
+            >>> params
+            {'w': tensor([0.9000, 0.9000])}
+        """
+        fused = _FUSED.get(self.update)
+        if fused is not None:
+            return fused(grads, state, params)
+        updates, new_state = self.update(grads, state, params)
+        return apply_updates(params, updates), new_state
+
+
+# update function -> its one-pass apply_gradients: kept beside the pair, not in it, so that a
+# GradientTransformation stays a pair (code unpacks it as ``init, update = opt``), and found
+# again when a pair is rebuilt from the same functions.
+_FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[Tree, Any, Tree], tuple[Tree, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+# step(grads, params, spec, state) -> (new parameters, new state), on leaf lists; spec is the
+# gradients' structure, for trees in the state.
+_Step = Callable[[Any, Any, optree.PyTreeSpec, Any], tuple[Any, Any]]
+
+
+def _optimizer(init: Callable[[Tree], Any], step: _Step, name: str) -> GradientTransformation:
+    """The pair for an optimizer that computes new parameters (as torch.optim does), with its
+    one-pass ``apply_gradients``."""
+
+    @torch.no_grad()
+    def update(grads: Tree, state: Any, params: Tree | None = None) -> tuple[Tree, Any]:
+        g, spec = _leaves(grads)
+        p = _require(params, name)
+        new, new_state = step(g, p, spec, state)
+        return _tree.unflatten(spec, _difference(new, p)), new_state
+
+    @torch.no_grad()
+    def apply(grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
+        g, spec = _leaves(grads)
+        p, params_spec = _leaves(params)
+        if spec != params_spec:
+            raise ValueError(f"fdp.optim.{name}: apply_gradients got params {params_spec} but grads {spec}")
+        new, new_state = step(g, p, spec, state)
+        return _tree.unflatten(spec, new), new_state
+
+    _FUSED[update] = apply
+    return GradientTransformation(init, update)
 
 
 class EmptyState(NamedTuple):
@@ -130,10 +205,7 @@ def sgd(
     def init(params: Tree) -> SgdState:
         return SgdState(0, _zeros_like(params) if momentum else None)
 
-    @torch.no_grad()
-    def update(grads: Tree, state: SgdState, params: Tree | None = None) -> tuple[Tree, SgdState]:
-        g, spec = _leaves(grads)
-        p = _require(params, "sgd")
+    def step(g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState) -> tuple[Leaves, SgdState]:
         if weight_decay:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         buffers: Leaves = None
@@ -144,11 +216,10 @@ def sgd(
                 buffers = torch._foreach_mul(_leaves(state.momentum)[0], momentum)
                 torch._foreach_add_(buffers, g, alpha=1 - dampening)
             g = torch._foreach_add(g, buffers, alpha=momentum) if nesterov else buffers
-        updates = _difference(torch._foreach_add(p, g, alpha=-lr), p)
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
-        return _tree.unflatten(spec, updates), SgdState(state.step + 1, new_momentum)
+        return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
 
-    return GradientTransformation(init, update)
+    return _optimizer(init, step, "sgd")
 
 
 def _require(params: Tree | None, name: str) -> Leaves:
@@ -173,29 +244,25 @@ def _adam(
     def init(params: Tree) -> AdamState:
         return AdamState(0, _zeros_like(params), _zeros_like(params))
 
-    @torch.no_grad()
-    def update(grads: Tree, state: AdamState, params: Tree | None = None) -> tuple[Tree, AdamState]:
-        g, spec = _leaves(grads)
-        step = state.step + 1
-        p = _require(params, name)
+    def step(g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState) -> tuple[Leaves, AdamState]:
+        number = state.step + 1
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         exp_avg = torch._foreach_lerp(_leaves(state.exp_avg)[0], g, 1 - beta1)
         exp_avg_sq = torch._foreach_mul(_leaves(state.exp_avg_sq)[0], beta2)
         torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
+        bias_correction1 = 1 - beta1**number
+        bias_correction2 = 1 - beta2**number
         step_size = lr / bias_correction1
         denom = torch._foreach_sqrt(exp_avg_sq)
         torch._foreach_div_(denom, bias_correction2**0.5)
         torch._foreach_add_(denom, eps)
         # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
         start = torch._foreach_mul(p, 1 - lr * weight_decay) if weight_decay and decoupled else p
-        updates = _difference(torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size), p)
-        new_state = AdamState(step, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
-        return _tree.unflatten(spec, updates), new_state
+        new_state = AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
+        return torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size), new_state
 
-    return GradientTransformation(init, update)
+    return _optimizer(init, step, name)
 
 
 def adam(
@@ -307,6 +374,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return grads, tuple(new_states)
 
+    last = _FUSED.get(transforms[-1].update) if transforms else None
+    if last is not None:
+        fused_last = last
+
+        def apply(grads: Tree, state: tuple[Any, ...], params: Tree) -> tuple[Tree, tuple[Any, ...]]:
+            # The transforms before the last one change the gradients; the last one steps.
+            if len(state) != len(transforms):
+                raise ValueError(f"fdp.optim.chain: expected {len(transforms)} states, got {len(state)}")
+            new_states = []
+            for t, s in zip(transforms[:-1], state[:-1]):
+                grads, s = t.update(grads, s, params)
+                new_states.append(s)
+            new_params, s = fused_last(grads, state[-1], params)
+            return new_params, (*new_states, s)
+
+        _FUSED[update] = apply
     return GradientTransformation(init, update)
 
 

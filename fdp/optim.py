@@ -5,7 +5,8 @@
 >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adam(1e-2))
 >>> params = {"w": torch.zeros(3)}
 >>> state = opt.init(params)
->>> updates, state = opt.update({"w": torch.ones(3)}, state, params)
+>>> params, state = opt.apply_gradients({"w": torch.ones(3)}, state, params)  # one step
+>>> updates, state = opt.update({"w": torch.ones(3)}, state, params)  # or optax's two
 >>> params = optim.apply_updates(params, updates)
 """
 

@@ -257,9 +257,11 @@ def test_every_pmapped_module_gets_its_own_compilation_budget() -> None:
         assert recorder.calls > before, f"the model of width {width} ran uncompiled"
 
 
-def test_a_compiled_training_step_with_inductor_matches_eager() -> None:
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_a_compiled_training_step_with_inductor_matches_eager(one_pass: bool) -> None:
     """The default backend end to end: torch.func.grad, pmean of the gradients, an optimizer
-    update, state resident on 2 replicas, over uneven shards."""
+    step (update and apply_updates, or apply_gradients), state resident on 2 replicas, over
+    uneven shards."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -271,6 +273,9 @@ def test_a_compiled_training_step_with_inductor_matches_eager() -> None:
 
     def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         grads = fdp.pmean(torch.func.grad(loss_fn)(state["params"], x, y), "b", weight=x.shape[0])
+        if one_pass:
+            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": new_params, "opt": opt_state}
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
         return {"params": optim.apply_updates(state["params"], updates), "opt": opt_state}
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fdp import _optim as optim_module
 from fdp import optim
 
 Config = tuple[
@@ -93,6 +94,82 @@ def test_matches_torch_optim_over_100_steps(name: str) -> None:
         torch.testing.assert_close(params[k], reference[k].detach(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_apply_gradients_gives_torch_optims_parameters_bit_for_bit(name: str) -> None:
+    # One pass, the new parameters as computed: the same kernels as torch.optim, so the same
+    # bits over 100 steps (clip_grad_norm_ computes its norm in another order: to 1e-6 there).
+    make_torch, make_ours = CONFIGS[name]
+    model, loss = problem()
+    reference = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    torch_opt = make_torch(list(reference.values()))
+    opt = make_ours()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = opt.init(params)
+    for _ in range(100):
+        torch_opt.zero_grad()
+        loss(reference).backward()
+        torch_opt.step()
+        params, state = opt.apply_gradients(torch.func.grad(loss)(params), state, params)
+    for k in params:
+        if name == "clip_then_adamw":
+            torch.testing.assert_close(params[k], reference[k].detach(), atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(params[k], reference[k].detach()), k
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.sgd(0.1, momentum=0.9),
+        lambda: optim.adamw(),
+        lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adam()),
+    ],
+)
+def test_apply_gradients_forms_no_updates(make: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # fdp's optimizers, and chains ending in one, never form new - params and add it back.
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("a second pass over the parameters")
+
+    monkeypatch.setattr(optim_module, "_difference", refuse)
+    monkeypatch.setattr(optim_module, "apply_updates", refuse)
+    opt = make()
+    params = {"w": torch.ones(3), "b": torch.zeros(1)}
+    state = opt.init(params)
+    for _ in range(2):
+        params, state = opt.apply_gradients({"w": torch.ones(3), "b": torch.ones(1)}, state, params)
+
+
+def test_apply_gradients_of_other_transformations_is_update_then_apply_updates() -> None:
+    clip = optim.clip_by_global_norm(1.0)  # updates, no parameters: a chain ending in it too
+    double = optim.GradientTransformation(
+        lambda p: (), lambda g, s, p=None: (optree.tree_map(lambda t: 2 * t, g), s)
+    )
+    params = {"w": torch.ones(2)}
+    grads = {"w": torch.tensor([3.0, 4.0])}
+    for opt in (clip, double, optim.chain(optim.sgd(0.1), clip)):
+        updates, expected_state = opt.update(grads, opt.init(params), params)
+        new, state = opt.apply_gradients(grads, opt.init(params), params)
+        torch.testing.assert_close(new, optim.apply_updates(params, updates))
+        assert optree.tree_structure(state) == optree.tree_structure(expected_state)
+
+
+def test_apply_gradients_with_grads_unlike_params() -> None:
+    opt = optim.sgd(0.1)
+    with pytest.raises(ValueError, match="fdp.optim.sgd: apply_gradients got params .* but grads"):
+        opt.apply_gradients({"v": torch.ones(1)}, opt.init({"w": torch.ones(1)}), {"w": torch.ones(1)})
+
+
+def test_a_pair_rebuilt_from_the_same_functions_keeps_its_one_pass() -> None:
+    opt = optim.adam(0.1)
+    init, update = opt  # still a pair
+    rebuilt = optim.GradientTransformation(init, update)
+    params = {"w": torch.ones(2)}
+    grads = {"w": torch.ones(2)}
+    a, _ = opt.apply_gradients(grads, opt.init(params), params)
+    b, _ = rebuilt.apply_gradients(grads, rebuilt.init(params), params)
+    assert torch.equal(a["w"], b["w"])
+
+
 def test_nothing_is_modified_in_place() -> None:
     params = {"w": torch.ones(3)}
     grads = {"w": torch.ones(3)}
@@ -101,6 +178,7 @@ def test_nothing_is_modified_in_place() -> None:
         tensors = [t for t in optree.tree_leaves((params, grads, state)) if isinstance(t, torch.Tensor)]
         snapshot = [t.clone() for t in tensors]
         opt.update(grads, state, params)
+        opt.apply_gradients(grads, state, params)
         assert all(torch.equal(a, b) for a, b in zip(snapshot, tensors))
 
 
@@ -139,9 +217,12 @@ def test_params_that_require_grad_grow_no_graph() -> None:
     params = dict(model.named_parameters())  # requires_grad=True
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9))
     state = opt.init(params)
-    for _ in range(3):
+    for k in range(4):
         grads = torch.func.grad(loss)(params)
-        updates, state = opt.update(grads, state, params)
-        params = optim.apply_updates(params, updates)
+        if k % 2:
+            params, state = opt.apply_gradients(grads, state, params)
+        else:
+            updates, state = opt.update(grads, state, params)
+            params = optim.apply_updates(params, updates)
     leaves = [t for t in optree.tree_leaves((params, state)) if isinstance(t, torch.Tensor)]
     assert all(t.grad_fn is None for t in leaves)
