@@ -95,7 +95,7 @@ class GradientTransformation(NamedTuple):
             >>> params
             {'w': tensor([0.9000, 0.9000])}
         """
-        fused = _FUSED.get(self.update)
+        fused = _fused(self.update)
         if fused is not None:
             return fused(grads, state, params)
         updates, new_state = self.update(grads, state, params)
@@ -108,6 +108,17 @@ class GradientTransformation(NamedTuple):
 _FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[Tree, Any, Tree], tuple[Tree, Any]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def _fused(update: Callable[..., Any]) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]] | None:
+    """The one-pass step registered for ``update``, if any. An ``update`` may be any callable,
+    including one that cannot be hashed or weakly referenced (a callable dataclass, a slotted
+    object): it has none."""
+    try:
+        return _FUSED.get(update)
+    except TypeError:
+        return None
+
 
 # step(grads, params, spec, state) -> (new parameters, new state), on leaf lists; spec is the
 # gradients' structure, for trees in the state.
@@ -132,7 +143,8 @@ def _optimizer(init: Callable[[Tree], Any], step: _Step, name: str) -> GradientT
         if spec != params_spec:
             raise ValueError(f"fdp.optim.{name}: apply_gradients got params {params_spec} but grads {spec}")
         new, new_state = step(g, p, spec, state)
-        return _tree.unflatten(spec, new), new_state
+        # The params' structure, as apply_updates gives: dicts compare equal in any key order.
+        return _tree.unflatten(params_spec, new), new_state
 
     _FUSED[update] = apply
     return GradientTransformation(init, update)
@@ -374,7 +386,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return grads, tuple(new_states)
 
-    last = _FUSED.get(transforms[-1].update) if transforms else None
+    last = _fused(transforms[-1].update) if transforms else None
     if last is not None:
         fused_last = last
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -151,6 +152,38 @@ def test_apply_gradients_of_other_transformations_is_update_then_apply_updates()
         new, state = opt.apply_gradients(grads, opt.init(params), params)
         torch.testing.assert_close(new, optim.apply_updates(params, updates))
         assert optree.tree_structure(state) == optree.tree_structure(expected_state)
+
+
+def test_transformations_whose_update_cannot_be_hashed_or_weakly_referenced() -> None:
+    # Any callable may be an update: a callable dataclass (unhashable), a slotted object.
+    @dataclasses.dataclass
+    class Scale:
+        factor: float
+
+        def __call__(self, grads: Any, state: Any, params: Any = None) -> Any:
+            return optree.tree_map(lambda t: self.factor * t, grads), state
+
+    class Identity:
+        __slots__ = ()
+
+        def __call__(self, grads: Any, state: Any, params: Any = None) -> Any:
+            return grads, state
+
+    params = {"w": torch.ones(2)}
+    for update in (Scale(2.0), Identity()):
+        custom = optim.GradientTransformation(lambda p: (), update)
+        for opt in (custom, optim.chain(optim.sgd(0.1), custom)):
+            updates, _ = opt.update(params, opt.init(params), params)
+            new, _ = opt.apply_gradients(params, opt.init(params), params)
+            torch.testing.assert_close(new, optim.apply_updates(params, updates))
+
+
+def test_apply_gradients_keeps_the_params_key_order() -> None:
+    params = {"a": torch.ones(1), "b": torch.ones(1)}
+    grads = {"b": torch.ones(1), "a": torch.ones(1)}  # another key order: the same structure
+    for opt in (optim.sgd(0.1, momentum=0.9), optim.adamw()):
+        new, _ = opt.apply_gradients(grads, opt.init(params), params)
+        assert list(new) == ["a", "b"]
 
 
 def test_apply_gradients_with_grads_unlike_params() -> None:
