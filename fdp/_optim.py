@@ -375,29 +375,30 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Tree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update(
-        grads: Tree, state: tuple[Any, ...], params: Tree | None = None
-    ) -> tuple[Tree, tuple[Any, ...]]:
+    def through(
+        count: int, grads: Tree, state: tuple[Any, ...], params: Tree | None
+    ) -> tuple[Tree, list[Any]]:
+        """The gradients through the first ``count`` transforms, and their new states."""
         if len(state) != len(transforms):
             raise ValueError(f"fdp.optim.chain: expected {len(transforms)} states, got {len(state)}")
         new_states = []
-        for t, s in zip(transforms, state):
+        for t, s in zip(transforms[:count], state):
             grads, s = t.update(grads, s, params)
             new_states.append(s)
+        return grads, new_states
+
+    def update(
+        grads: Tree, state: tuple[Any, ...], params: Tree | None = None
+    ) -> tuple[Tree, tuple[Any, ...]]:
+        grads, new_states = through(len(transforms), grads, state, params)
         return grads, tuple(new_states)
 
-    last = _fused(transforms[-1].update) if transforms else None
-    if last is not None:
-        fused_last = last
+    fused_last = _fused(transforms[-1].update) if transforms else None
+    if fused_last is not None:
 
         def apply(grads: Tree, state: tuple[Any, ...], params: Tree) -> tuple[Tree, tuple[Any, ...]]:
             # The transforms before the last one change the gradients; the last one steps.
-            if len(state) != len(transforms):
-                raise ValueError(f"fdp.optim.chain: expected {len(transforms)} states, got {len(state)}")
-            new_states = []
-            for t, s in zip(transforms[:-1], state[:-1]):
-                grads, s = t.update(grads, s, params)
-                new_states.append(s)
+            grads, new_states = through(len(transforms) - 1, grads, state, params)
             new_params, s = fused_last(grads, state[-1], params)
             return new_params, (*new_states, s)
 
