@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from . import _distributed, _replica, _transfer, _tree
+from . import _distributed, _replica, _streams, _transfer, _tree
+from ._compile import eager_under_compile, never_compiled
 
 __all__ = [
     "psum",
@@ -45,45 +46,6 @@ __all__ = [
 
 # --- binding -----------------------------------------------------------------------------------
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _eager_under_compile(fn: _F) -> _F:
-    """Keeps a public collective out of ``torch.compile``'s graphs.
-
-    A collective waits on a condition variable for the other replicas' threads. Dynamo cannot
-    trace that: it would fall back to eager for the whole enclosing frame, then compile the
-    collective's internals as frames of their own and recompile them on every call. Marked
-    here as ``torch.compiler.disable`` would mark it, a collective is one clean graph break:
-    the compiled function runs its graph up to the call, the collective and everything it
-    calls run eagerly, and a second graph takes over after it.
-
-    ``torch.compiler.disable`` itself would wrap every call and import the compiler (seconds)
-    with fdp; the same two marks are set on ``fn`` directly instead, through the compiler's C
-    extension. On a torch without it, ``fn`` stays unmarked: compiled code around it still
-    runs correctly, with more graph breaks.
-    """
-    if _never_compiled(fn):
-        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
-    return fn
-
-
-def _never_compiled(fn: Callable[..., Any]) -> bool:
-    """Has dynamo run frames of ``fn``, and every Python frame they call, as they are.
-
-    Also for functions that torch calls from C++ inside a collective (an autograd Function's
-    forward and backward, under ``torch.func.grad`` in compiled code): a skip does not reach
-    through C++ frames. False on a torch without the C extension's strategy (before 2.6).
-    """
-    try:
-        from torch._C._dynamo import eval_frame
-
-        skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older torch
-        return False
-    return True
-
 
 def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
     context = _replica.current()
@@ -98,7 +60,7 @@ def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
     return context
 
 
-@_eager_under_compile
+@eager_under_compile
 def axis_index(axis_name: Hashable) -> int:
     """This replica's index along the mapped axis: ``0 <= axis_index < axis_size``.
 
@@ -112,7 +74,7 @@ def axis_index(axis_name: Hashable) -> int:
     return context.group.offset + context.index
 
 
-@_eager_under_compile
+@eager_under_compile
 def axis_size(axis_name: Hashable) -> int:
     """The number of replicas that run along the mapped axis (not the number of devices).
 
@@ -334,7 +296,7 @@ class _AllReduce(_Op):
     def combine(
         self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
-        devices = group.devices
+        devices = [b.device for b in buffers]  # each replica's result where its value was
         destination = devices[0]
         if self.reduce != "sum":
             stacked = torch.stack([_transfer.to_device(b, destination) for b in buffers])
@@ -360,18 +322,22 @@ class _AllReduce(_Op):
         # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
         # megabyte gradient's sum and its copies for the others keep every replica waiting on
         # one thread; computed by each replica, they run in parallel and need no copies.
-        return self.reduce == "sum" and not group.distributed and all(d.type == "cpu" for d in group.devices)
+        # A lone replica's result is its own (private) buffer on any device: no pass over it.
+        if self.reduce != "sum" or group.distributed:
+            return False
+        return group.size == 1 or all(d.type == "cpu" for d in group.devices)
 
     def combine_each(
         self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> Callable[[int], torch.Tensor] | None:
-        if any(b.device.type != "cpu" for b in buffers):
-            return None  # a CPU replica's tree may hold CUDA tensors: combine moves them
         weight_sum = self._weight_sum(extras, group)  # checked once, in the last replica
         scaling, size = self.scaling, len(buffers)
         if size == 1 and (scaling in ("none", "mean") or extras[0] / weight_sum == 1.0):
             # One replica: the result has the value of its buffer, a private one: no copy.
             return lambda r: buffers[0]
+        if any(b.device.type != "cpu" for b in buffers):
+            # CUDA tensors (in CPU replicas): combine, whose streams wait for every replica's.
+            return None
 
         def result(r: int) -> torch.Tensor:
             # The same operations in the same order on every replica: equal results, bit for
@@ -418,8 +384,8 @@ def _weighted_sum(
 
 
 def _gathered(buffers: list[torch.Tensor], group: _replica.CallGroup, caller: str) -> torch.Tensor:
-    """Every replica's buffer, stacked in global replica order, on the first local device."""
-    stacked = torch.stack([_transfer.to_device(b, group.devices[0]) for b in buffers])
+    """Every replica's buffer, stacked in global replica order, on the first one's device."""
+    stacked = torch.stack([_transfer.to_device(b, buffers[0].device) for b in buffers])
     if not group.distributed:
         return stacked
     if len(set(group.counts)) > 1:
@@ -441,7 +407,7 @@ class _AllGather(_Op):
     def combine(
         self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
-        return _distribute(_gathered(buffers, group, self.name), group.devices, buffers)
+        return _distribute(_gathered(buffers, group, self.name), [b.device for b in buffers], buffers)
 
 
 class _ReduceScatter(_Op):
@@ -453,11 +419,12 @@ class _ReduceScatter(_Op):
     def combine(
         self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
     ) -> list[torch.Tensor]:
-        moved = [_transfer.to_device(b, group.devices[0]) for b in buffers]
-        total = _transfer.reduce_add(moved, group.devices[0]) if len(moved) > 1 else moved[0]
+        destination = buffers[0].device
+        moved = [_transfer.to_device(b, destination) for b in buffers]
+        total = _transfer.reduce_add(moved, destination) if len(moved) > 1 else moved[0]
         if group.distributed:
             total = _distributed.all_reduce(total, "sum")
-        return [_transfer.to_device(total[group.offset + r], d).clone() for r, d in enumerate(group.devices)]
+        return [_transfer.to_device(total[group.offset + r], b.device).clone() for r, b in enumerate(buffers)]
 
 
 class _Permute(_Op):
@@ -482,7 +449,7 @@ class _Permute(_Op):
         # Across processes every buffer is gathered first (simple, not the cheapest way).
         everyone = _gathered(buffers, group, self.name) if group.distributed else None
         out = []
-        for r, device in enumerate(group.devices):
+        for r, device in enumerate(b.device for b in buffers):
             src = self.source_of.get(group.offset + r)
             if src is None:
                 out.append(torch.zeros_like(buffers[r]))
@@ -514,7 +481,9 @@ def _exchange(
     leave each replica to compute its own result after the exchange (``_Op.combine_each``).
     """
 
-    def combine(payloads: list[tuple[Any, Sequence[torch.Tensor], Any]]) -> list[list[torch.Tensor]]:
+    def combine(
+        payloads: list[tuple[Any, Sequence[torch.Tensor], Any, _streams.Marks | None]],
+    ) -> list[tuple[list[Any], _streams.Marks | None]]:
         if payloads[0][0] is not None:
             _check_same_layout([p[0] for p in payloads], op.name)
         shapes = [tuple(tuple(b.shape) for b in p[1]) for p in payloads]
@@ -525,6 +494,9 @@ def _exchange(
                 f"{next(s for s in shapes if s != shapes[0])} on another); under torch.func.vmap "
                 "every replica must map over the same number of rows"
             )
+        marks = [p[3] for p in payloads]
+        for p in payloads:  # on CUDA: combine once every replica's buffers are written
+            _streams.wait(p[3], p[1])
         per_buffer: list[list[Any]] = []
         for b in range(len(buffers)):
             inputs, extras = [p[1][b] for p in payloads], [p[2] for p in payloads]
@@ -533,11 +505,18 @@ def _exchange(
                 per_buffer.append(op.combine(inputs, extras, context.group))
             else:
                 per_buffer.append([_Deferred(each, r) for r in range(len(payloads))])
-        return [[results[r] for results in per_buffer] for r in range(len(payloads))]
+        rows = [[results[r] for results in per_buffer] for r in range(len(payloads))]
+        done = None
+        if len(payloads) > 1:
+            done = _streams.hand_over([[t for t in row if type(t) is not _Deferred] for row in rows], marks)
+        return [(row, done) for row in rows]
 
-    results, op.round = context.group.exchange(
-        context.index, op.key(), (layout, tuple(buffers), extra), combine
+    # A lone replica's results are made on its own stream: nothing to order.
+    marks = _streams.mark(buffers) if context.group.size > 1 else None
+    (results, done), op.round = context.group.exchange(
+        context.index, op.key(), (layout, tuple(buffers), extra, marks), combine
     )
+    _streams.wait(done)  # on CUDA: use the results once the combine has written them
     return [r() if type(r) is _Deferred else r for r in results]
 
 
@@ -627,7 +606,7 @@ class _Spmd(torch.autograd.Function):
 
 
 for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.vmap):
-    _never_compiled(_method)
+    never_compiled(_method)
 
 
 def _shares_backward_thread(context: _replica.ReplicaContext, device: torch.device) -> bool:
@@ -639,10 +618,13 @@ def _shares_backward_thread(context: _replica.ReplicaContext, device: torch.devi
     asking thread. Replicas that share an accelerator therefore run their backward passes one
     after the other on one thread, and a backward collective, which waits for the others, would
     wait forever there. (When this runs in the replica's own thread, it is not the engine's.)
+    A tensor on a device other than its replica's may share it with the other replicas'
+    tensors (say CUDA tensors on CPU replicas), which this replica cannot see: refused too.
     """
-    if _replica.current() is context:
+    if _replica.current() is context or device.type == "cpu":
         return False
-    return device.type != "cpu" and context.group.devices.count(device) > 1
+    devices = context.group.devices
+    return devices.count(device) > 1 or (device != context.device and len(devices) > 1)
 
 
 def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
@@ -684,7 +666,7 @@ def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_P
 # --- the public collectives --------------------------------------------------------------------
 
 
-@_eager_under_compile
+@eager_under_compile
 def psum(x: Any, axis_name: Hashable) -> Any:
     """Sums ``x`` over the replicas of ``axis_name``: every replica gets the total.
 
@@ -697,7 +679,7 @@ def psum(x: Any, axis_name: Hashable) -> Any:
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
 
     Returns:
-        A tree like ``x`` holding the sums, on this replica's devices.
+        A tree like ``x`` holding the sums, each leaf on the device of ``x``'s leaf.
 
     Raises:
         NameError: outside a function mapped with this ``axis_name``.
@@ -729,7 +711,7 @@ def _counts_for_bools(x: Any) -> Any:
     )
 
 
-@_eager_under_compile
+@eager_under_compile
 def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any:
     """Averages ``x`` over the replicas of ``axis_name``, optionally weighted.
 
@@ -786,7 +768,7 @@ def _floating(x: Any, caller: str) -> Any:
     return x  # not reached: some leaf failed the test above
 
 
-@_eager_under_compile
+@eager_under_compile
 def pmax(x: Any, axis_name: Hashable) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
@@ -800,7 +782,7 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
     return packed.unpack(results)
 
 
-@_eager_under_compile
+@eager_under_compile
 def pmin(x: Any, axis_name: Hashable) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
 
@@ -814,7 +796,7 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
     return packed.unpack(results)
 
 
-@_eager_under_compile
+@eager_under_compile
 def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any:
     """Every replica's ``x``, on every replica.
 
@@ -861,7 +843,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     return packed.unpack(results, leaf_result)
 
 
-@_eager_under_compile
+@eager_under_compile
 def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     """Sends each replica's ``x`` to another: ``perm`` is a sequence of ``(source, destination)`` pairs.
 

@@ -21,7 +21,7 @@ import torch
 
 from . import _axes, _tree
 
-__all__ = ["compiled", "own_code", "Turns"]
+__all__ = ["compiled", "own_code", "Turns", "eager_under_compile", "never_compiled"]
 
 T = TypeVar("T")
 
@@ -216,3 +216,46 @@ def _graphs_compiled() -> int:
     if utils is None:
         return 0
     return int(utils.counters["stats"]["unique_graphs"])
+
+
+# --- code torch.compile must not trace ----------------------------------------------------------
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_under_compile(fn: _F) -> _F:
+    """Keeps ``fn`` out of ``torch.compile``'s graphs: a public collective, or a check that
+    dynamo cannot trace (see ``fdp._optim``).
+
+    A collective waits on a condition variable for the other replicas' threads. Dynamo cannot
+    trace that: it would fall back to eager for the whole enclosing frame, then compile the
+    collective's internals as frames of their own and recompile them on every call. Marked
+    here as ``torch.compiler.disable`` would mark it, a collective is one clean graph break:
+    the compiled function runs its graph up to the call, the collective and everything it
+    calls run eagerly, and a second graph takes over after it.
+
+    ``torch.compiler.disable`` itself would wrap every call and import the compiler (seconds)
+    with fdp; the same two marks are set on ``fn`` directly instead, through the compiler's C
+    extension. On a torch without it, ``fn`` stays unmarked: compiled code around it still
+    runs correctly, with more graph breaks.
+    """
+    if never_compiled(fn):
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
+    return fn
+
+
+def never_compiled(fn: Callable[..., Any]) -> bool:
+    """Has dynamo run frames of ``fn``, and every Python frame they call, as they are.
+
+    Also for functions that torch calls from C++ inside a collective (an autograd Function's
+    forward and backward, under ``torch.func.grad`` in compiled code): a skip does not reach
+    through C++ frames. False on a torch without the C extension's strategy (before 2.6).
+    """
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older torch
+        return False
+    return True

@@ -11,7 +11,8 @@ NCCL-backed coalesced broadcast and coalesced reduce-add), wrapped in autograd f
 backward is the mirror transfer, so double backward works. Everywhere else (CPU, mixed targets)
 they are plain ``torch.split``/``Tensor.to``/``torch.cat``, which autograd already differentiates.
 A tensor whose target is the device it is on is never copied: replicas that share a device
-share the tensor.
+share the tensor (replicas on a worker's CUDA stream get a view of a leaf that requires grad:
+see :func:`_alias_shared_leaves`).
 
 All transfers are issued from the caller's thread on the current stream of each device; the
 replica workers wait on those streams before they start (see ``_pool``).
@@ -164,7 +165,30 @@ def broadcast(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) 
         for i, t in enumerate(tensors):
             if slots[i] is None:
                 slots[i] = to_device(t, d)
-    return [placed[d] for d in devices]  # type: ignore[misc]
+    rows: list[list[torch.Tensor]] = [placed[d] for d in devices]  # type: ignore[misc]
+    if cuda_targets and torch.is_grad_enabled():
+        _alias_shared_leaves(rows)
+    return rows
+
+
+def _alias_shared_leaves(rows: list[list[torch.Tensor]]) -> None:
+    """Gives every replica but the first a view of each CUDA leaf that requires grad, in place
+    of the leaf itself.
+
+    Replica 0 runs on the caller's stream, the others on their workers' (see ``_pool``). A leaf
+    accumulates its gradient on the stream its AccumulateGrad node was made on, and torch warns
+    when a gradient reaches that node from another stream. A view made here, on the caller's
+    stream, puts a node of the caller's stream between each other replica and the leaf: the
+    engine orders the streams there, as between any two nodes, and the leaf's gradient arrives
+    from one stream. The view shares the leaf's memory and version counter.
+    """
+    for r in range(1, len(rows)):
+        row = None
+        for i, t in enumerate(rows[r]):
+            if t.is_cuda and t.requires_grad and t.grad_fn is None:
+                if row is None:
+                    row = rows[r] = list(rows[r])  # replicas on one device share the list
+                row[i] = t.view_as(t)
 
 
 def _broadcast_cuda(

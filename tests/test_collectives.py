@@ -130,6 +130,36 @@ def test_an_empty_leaf_stays_differentiable_on_its_own(collective: Any) -> None:
     assert grad.shape == x.shape
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize(
+    "collective",
+    [
+        fdp.psum,
+        fdp.pmean,
+        lambda t, name: fdp.pmean(t, name, weight=2),
+        fdp.pmax,
+        fdp.pmin,
+        fdp.all_gather,
+        lambda t, name: fdp.ppermute(
+            t, name, [(i, (i + 1) % fdp.axis_size(name)) for i in range(fdp.axis_size(name))]
+        ),
+    ],
+    ids=["psum", "pmean", "pmean_weighted", "pmax", "pmin", "all_gather", "ppermute"],
+)
+def test_results_stay_on_the_device_of_their_input(collective: Any, n: int) -> None:
+    # A tensor on another device than the replica's (here meta tensors on CPU replicas; on a
+    # GPU, a CPU tensor in a CUDA replica) gets its result there, as any op's result would be.
+    seen: list[tuple[torch.device, torch.device]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        out = collective({"elsewhere": torch.ones(2, 3, device="meta"), "here": x}, "i")
+        seen.append((out["elsewhere"].device, out["here"].device))
+        return x
+
+    fdp.pmap(f, axis_name="i", devices=cpus(n))(torch.ones(n, 2))
+    assert seen == [(torch.device("meta"), torch.device("cpu"))] * n
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_pmean_of_python_numbers_is_a_float_mean(weighted: bool) -> None:
     # Ints and bools average to floats, as their mean is one (jax.lax.pmean divides too).

@@ -6,18 +6,40 @@ Marked ``cuda``: skipped on machines without CUDA (CI). Run them on a GPU machin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import finishes
 from torch import nn
 
 import fdp
+from fdp import optim
 
 pytestmark = pytest.mark.cuda
 
 TWO_ON_ONE = ["cuda:0", "cuda:0"]
+
+
+def run_fresh(code: str) -> None:
+    """Runs ``code`` in a new interpreter with warnings as errors: torch gives some warnings
+    once per process, so an earlier test in this one could have used them up."""
+    package_root = str(Path(fdp.__file__).resolve().parents[1])  # the fdp this process tests
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def several_gpus() -> list[str]:
@@ -179,3 +201,87 @@ def test_grad_of_psum_on_distinct_gpus() -> None:
     )
     x = torch.arange(len(devices) * 3.0, device="cuda").reshape(len(devices), 3)
     torch.testing.assert_close(finishes(lambda: step(x)), len(devices) * 2 * x)
+
+
+@pytest.mark.parametrize("caller_stream", ["default", "side"])
+def test_collectives_wait_for_every_replicas_kernels(caller_stream: str) -> None:
+    # Replica r queues 1 + 2r long matrix products on its stream before the collective and uses
+    # the result at once after it. Without stream ordering, whichever replica combines reads
+    # another's buffer before it is written, or another reads its result too early. (The legacy
+    # default stream, replica 0's when the caller uses it, waits for the other streams' work by
+    # itself; a side stream, and the workers' streams among themselves, do not.)
+    a = torch.randn(3, 4096, 4096, device="cuda")
+
+    def heavy(x: torch.Tensor, times: int) -> torch.Tensor:
+        for _ in range(times):
+            x = torch.tanh(x @ x / 64)
+        return x
+
+    def f(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = heavy(x, 1 + 2 * fdp.axis_index("i"))
+        return {"sum": fdp.psum(y, "i") * 2, "mean": fdp.pmean(y[0, :8], "i", weight=3) + 1}
+
+    stream = torch.cuda.Stream() if caller_stream == "side" else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        out = fdp.pmap(f, axis_name="i", devices=["cuda:0"] * 3, out_axes=None)(a)
+    torch.cuda.current_stream().wait_stream(stream)
+    shards = [heavy(x, 1 + 2 * r) for r, x in enumerate(a.chunk(3))]
+    torch.testing.assert_close(out["sum"], (shards[0] + shards[1] + shards[2]) * 2)
+    torch.testing.assert_close(out["mean"], sum(s[0, :8] for s in shards) / 3 + 1)
+
+
+def test_resident_training_on_two_replicas_matches_one_device() -> None:
+    # The GPU benchmark's step (resident state, pmean of the gradients, SGD), against
+    # torch.optim on the whole batch on one device.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
+    x, y = torch.randn(96, 64, device="cuda"), torch.randint(0, 10, (96,), device="cuda")
+    opt = optim.sgd(0.1, momentum=0.9)
+
+    @fdp.pmap(axis_name="b", devices=TWO_ON_ONE, out_axes=fdp.PER_REPLICA)
+    def step(state, x, y):
+        leaves = {k: v.requires_grad_() for k, v in state["params"].items()}
+        loss = F.cross_entropy(fdp.functional_call(model, leaves, (x,)), y)
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        grads = fdp.pmean(grads, "b", weight=x.shape[0])
+        params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        return {"params": params, "opt": opt_state}
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, TWO_ON_ONE)
+    reference = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(5):
+        state = step(state, x, y)
+        reference.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        reference.step()
+    for r in range(2):
+        for k, v in fdp.unreplicate(state["params"], r).items():
+            torch.testing.assert_close(v, dict(model.named_parameters())[k].detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_workers_make_the_cuda_context_current() -> None:
+    # cuBLAS warns on its first call in a thread with no current CUDA context.
+    run_fresh(
+        """
+        import torch, fdp
+        x = torch.randn(9, 16, device="cuda")
+        out = fdp.pmap(lambda x: x @ x.T, devices=["cuda:0"] * 3)(x)
+        torch.testing.assert_close(out, torch.cat([s @ s.T for s in x.chunk(3)]))
+        """
+    )
+
+
+def test_shared_leaf_gets_its_gradient_from_one_stream() -> None:
+    # torch warns when a gradient reaches a leaf's AccumulateGrad from another stream than the
+    # node's: replicas on two streams of one GPU would do that without an alias per replica.
+    run_fresh(
+        """
+        import torch, fdp
+        model = torch.nn.Linear(8, 4).cuda()
+        params = dict(model.named_parameters())
+        out = fdp.pmap(model, devices=["cuda:0", "cuda:0"])(params, torch.randn(6, 8, device="cuda"))
+        out.sum().backward()
+        assert params["weight"].grad is not None
+        """
+    )
