@@ -34,6 +34,7 @@ import optree
 import torch
 
 from . import _tree
+from ._compile import eager_under_compile
 
 __all__ = [
     "GradientTransformation",
@@ -140,8 +141,11 @@ def _optimizer(init: Callable[[Tree], Any], step: _Step, name: str) -> GradientT
     def apply(grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         g, spec = _leaves(grads)
         p, params_spec = _leaves(params)
-        if spec != params_spec:
-            raise ValueError(f"fdp.optim.{name}: apply_gradients got params {params_spec} but grads {spec}")
+        mismatch = _mismatch(params, grads, params_spec, spec)
+        if mismatch is not None:
+            raise ValueError(
+                f"fdp.optim.{name}: apply_gradients got params {mismatch[0]} but grads {mismatch[1]}"
+            )
         new, new_state = step(g, p, spec, state)
         # The params' structure, as apply_updates gives: dicts compare equal in any key order.
         return _tree.unflatten(params_spec, new), new_state
@@ -170,6 +174,24 @@ Leaves = Any  # a list or tuple of tensors, as torch._foreach_* take and return 
 
 def _leaves(tree: Tree) -> tuple[Leaves, optree.PyTreeSpec]:
     return _tree.flatten(tree)
+
+
+def _mismatch(
+    a: Tree, b: Tree, spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec
+) -> tuple[str, str] | None:
+    """The two structures, written out, where trees ``a`` and ``b`` (of specs ``spec_a`` and
+    ``spec_b``) differ; None where they are the same."""
+    if torch.compiler.is_compiling():
+        return _mismatch_eagerly(a, b)
+    return None if _tree.same_structure(spec_a, spec_b) else (str(spec_a), str(spec_b))
+
+
+@eager_under_compile
+def _mismatch_eagerly(a: Tree, b: Tree) -> tuple[str, str] | None:
+    """:func:`_mismatch` outside the graph: torch 2.11's dynamo cannot compare two specs (its
+    stand-in for them compares their node types' functions, which it cannot trace)."""
+    spec_a, spec_b = _leaves(a)[1], _leaves(b)[1]
+    return None if _tree.same_structure(spec_a, spec_b) else (str(spec_a), str(spec_b))
 
 
 def _zeros_like(tree: Tree) -> Tree:
@@ -418,6 +440,7 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
     """
     p, spec = _leaves(params)
     u, other = _leaves(updates)
-    if spec != other:
-        raise ValueError(f"fdp.optim.apply_updates: params are {spec} but updates are {other}")
+    mismatch = _mismatch(params, updates, spec, other)
+    if mismatch is not None:
+        raise ValueError(f"fdp.optim.apply_updates: params are {mismatch[0]} but updates are {mismatch[1]}")
     return _tree.unflatten(spec, torch._foreach_add(p, u))
