@@ -93,7 +93,23 @@ class _Communicator:
             finally:
                 done.set()
 
-    def call(self, work: Callable[[], Any]) -> Any:
+    def call(self, work: Callable[[], Any], device: torch.device | None = None) -> Any:
+        """Runs ``work`` on this thread and returns what it did; on ``device``'s tensors, with the
+        calling thread's current stream for that device as this thread's.
+
+        NCCL (and gloo, for CUDA tensors) orders a collective after the work queued on the
+        issuing thread's current stream, and ``wait()`` orders that stream's later work after
+        it. That stream must be the calling replica's, which computed the tensor and reads the
+        result: this thread's own default stream would leave both unordered.
+        """
+        if device is not None and device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            unordered = work
+
+            def work() -> Any:
+                with torch.cuda.stream(stream):
+                    return unordered()
+
         if threading.current_thread() is self._thread:
             return work()
         box: list[Any] = []
@@ -172,13 +188,15 @@ def initialize(
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
     ``torchrun``, single- and multi-node), creates the rendezvous store and the process group
-    (NCCL where CUDA is available, else gloo), pins this process to ``cuda:LOCAL_RANK`` on GPUs,
-    and starts the thread that issues process-group calls. From then on, pmapped calls with an
-    ``axis_name`` span the replicas of every process. If a process group already exists, it is
-    used as it is.
+    (NCCL for CUDA tensors where CUDA is available, gloo for the rest), pins this process to
+    ``cuda:LOCAL_RANK`` on GPUs, and starts the thread that issues process-group calls. From then
+    on, pmapped calls with an ``axis_name`` span the replicas of every process. If a process group
+    already exists, it is used as it is.
 
     Args:
-        backend: ``"nccl"`` or ``"gloo"``. Default: ``None``, NCCL with CUDA, else gloo.
+        backend: a ``torch.distributed`` backend: ``"nccl"``, ``"gloo"``, or one per device type
+            (``"cpu:gloo,cuda:nccl"``). Default: ``None``, ``"cpu:gloo,cuda:nccl"`` where CUDA
+            and NCCL are available (CPU replicas work on GPU machines too), else ``"gloo"``.
         timeout: how long a collective may wait for other ranks (seconds or a timedelta).
             Default: ``300.0``.
         rank: this process's rank. Default: ``None``, from ``RANK``.
@@ -200,8 +218,9 @@ def initialize(
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", rank)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
+        cuda = torch.cuda.is_available() and dist.is_nccl_available()
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if "nccl" in backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     owns_group = not dist.is_initialized()
     if store is None:
@@ -265,10 +284,20 @@ def _failed_rank(state: _State) -> tuple[int, str] | None:
     return None
 
 
-def _wait(state: _State, work: Any, what: str) -> None:
-    """Waits for ``work``, failing fast when another rank has recorded a failure."""
-    if state.backend != "gloo":
-        work.wait()  # NCCL: its watchdog enforces the timeout
+def _polls(state: _State, device: torch.device) -> bool:
+    """Whether work on ``device``'s tensors runs on gloo, whose work can be waited for in slices
+    (to notice a failed rank between them); NCCL's cannot, and its watchdog keeps the timeout."""
+    backend = state.backend
+    if ":" in backend:  # one per device type, "cpu:gloo,cuda:nccl"
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device.type, "")
+    return backend == "gloo"
+
+
+def _wait(state: _State, work: Any, what: str, device: torch.device) -> None:
+    """Waits for ``work`` on ``device``'s tensors, failing fast when another rank has recorded
+    a failure."""
+    if not _polls(state, device):
+        work.wait()
         return
     deadline = datetime.datetime.now() + state.timeout
     while True:
@@ -290,8 +319,9 @@ def _raise_if_rank_failed(state: _State, what: str, error: BaseException) -> Non
         raise RankFailed(f"fdp.distributed: rank {failed[0]} failed during {what}: {failed[1]}") from error
 
 
-def _run(what: str, issue: Callable[[], Any]) -> None:
-    """Issues ``issue()`` (an async process-group call) on the communicator and waits for it."""
+def _run(what: str, issue: Callable[[], Any], device: torch.device) -> None:
+    """Issues ``issue()`` (an async process-group call on ``device``'s tensors) on the
+    communicator and waits for it."""
     state = _state()
 
     def work() -> None:
@@ -300,9 +330,9 @@ def _run(what: str, issue: Callable[[], Any]) -> None:
         except RuntimeError as error:
             _raise_if_rank_failed(state, what, error)
             raise
-        _wait(state, handle, what)
+        _wait(state, handle, what, device)
 
-    state.communicator.call(work)
+    state.communicator.call(work, device)
 
 
 # --- process-level collectives (differentiable) ----------------------------------------------------
@@ -352,16 +382,16 @@ def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
                 _raise_if_rank_failed(state, what, error)
                 raise
         for handle in handles:
-            _wait(state, handle, what)
+            _wait(state, handle, what, result.device)
 
-    state.communicator.call(work)
+    state.communicator.call(work, result.device)
     return result
 
 
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
     source = tensor.detach().contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size())]
-    _run("an all_gather", lambda: dist.all_gather(parts, source, async_op=True))
+    _run("an all_gather", lambda: dist.all_gather(parts, source, async_op=True), source.device)
     return torch.stack(parts)
 
 

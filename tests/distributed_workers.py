@@ -131,3 +131,33 @@ def failing_rank(rank: int, world: int, folder: str) -> None:
             raise
     finally:
         fdp.distributed.shutdown()
+
+
+def cuda_side_stream(rank: int, world: int, folder: str) -> None:
+    """2 ranks x 1 replica on cuda:0 (gloo takes CUDA tensors and lets them share a GPU), the
+    caller on a side stream: rank r queues 1 + 2r long products before the psum."""
+    start(rank, world, folder)
+    try:
+
+        def heavy(x: torch.Tensor, times: int) -> torch.Tensor:
+            for _ in range(times):
+                x = torch.tanh(x @ x / 64)
+            return x
+
+        inputs = [
+            torch.randn(1, 4096, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(r))
+            for r in range(world)
+        ]
+        f = fdp.pmap(
+            lambda x: fdp.psum(heavy(x, 1 + 2 * fdp.axis_index("i")), "i") * 2,
+            axis_name="i",
+            devices=["cuda:0"],
+        )
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            out = f(inputs[rank])
+        torch.cuda.current_stream().wait_stream(side)
+        expected = sum(heavy(x, 1 + 2 * r) for r, x in enumerate(inputs)) * 2
+        report(folder, rank, {"max_error": float((out - expected).abs().max())})
+    finally:
+        fdp.distributed.shutdown()

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import distributed_workers
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import fdp
+from fdp import _distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -78,6 +83,15 @@ def test_a_failing_rank_makes_the_others_fail_fast_naming_it(tmp_path: Path) -> 
     assert rank0["seconds"] < 30  # well within the process group's 60 s timeout
 
 
+@pytest.mark.cuda
+def test_cross_process_collectives_follow_the_replicas_cuda_stream(tmp_path: Path) -> None:
+    # The process-group call is issued from fdp's communicator thread, which must use the
+    # replica's stream: its own default stream would leave the kernels on both sides unordered.
+    results, codes = spawn(distributed_workers.cuda_side_stream, tmp_path)
+    assert codes == [0, 0], results
+    assert all(r["max_error"] < 1e-4 for r in results), results
+
+
 def run_train(*command: str) -> str:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -85,8 +99,17 @@ def run_train(*command: str) -> str:
 
 
 def test_train_example_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+    # Two CPU replicas either way, also on a GPU machine (where NCCL wants a GPU per process).
     common = ("--steps", "30", "--batch-size", "48", "--eval-every", "15")
-    single = run_train(sys.executable, "examples/train.py", *common, "--checkpoint", str(tmp_path / "a.pt"))
+    single = run_train(
+        sys.executable,
+        "examples/train.py",
+        *common,
+        "--devices",
+        "cpu,cpu",
+        "--checkpoint",
+        str(tmp_path / "a.pt"),
+    )
     launched = run_train(
         sys.executable,
         "-m",
@@ -95,6 +118,8 @@ def test_train_example_under_torchrun_matches_one_process(tmp_path: Path) -> Non
         "--nproc-per-node=2",
         "examples/train.py",
         *common,
+        "--devices",
+        "cpu",
         "--checkpoint",
         str(tmp_path / "b.pt"),
     )
@@ -102,3 +127,27 @@ def test_train_example_under_torchrun_matches_one_process(tmp_path: Path) -> Non
     assert single.split()[1] == launched.split()[1] == "step=30"
     for a, b in zip(*numbers):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5), (single, launched)
+
+
+def test_default_backend_on_a_cuda_machine_serves_cpu_tensors_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # NCCL alone would leave CPU tensors (CPU replicas, the example's metrics) without a backend
+    # on a GPU machine. CUDA and NCCL are faked here: the group is never made.
+    chosen: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **_: chosen.append(backend))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
+    fdp.distributed.initialize(rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        state = _distributed._state()
+        assert chosen == ["cpu:gloo,cuda:nccl"]
+        # gloo's work is polled for failed ranks; NCCL's is left to its watchdog.
+        assert _distributed._polls(state, torch.device("cpu"))
+        assert not _distributed._polls(state, torch.device("cuda", 0))
+    finally:
+        fdp.distributed.shutdown()
