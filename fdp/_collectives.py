@@ -5,7 +5,9 @@ Every collective takes a pytree. Its tensor leaves are coalesced into one flat b
 (``_replica.CallGroup.exchange``), the last one to arrive combines the buffers for all of them
 (:class:`_Op` subclasses), and each replica unpacks its result. Sums over CPU replicas in one
 process are the exception: there each replica adds the (private) buffers itself after the
-exchange, in parallel with the others (``_Op.combine_each``).
+exchange, in parallel with the others (``_Op.combine_each``); so is a lone replica's sum on
+any device, which is its private buffer. On CUDA the replicas' streams are ordered around the
+combine (``_streams``).
 
 Differentiation, two ways:
 
@@ -507,7 +509,7 @@ def _exchange(
                 per_buffer.append([_Deferred(each, r) for r in range(len(payloads))])
         rows = [[results[r] for results in per_buffer] for r in range(len(payloads))]
         done = None
-        if len(payloads) > 1:
+        if any(m is not None for m in marks):  # CUDA buffers of several replicas
             done = _streams.hand_over([[t for t in row if type(t) is not _Deferred] for row in rows], marks)
         return [(row, done) for row in rows]
 
@@ -558,7 +560,7 @@ class _Spmd(torch.autograd.Function):
                 f"{op.name}'s backward inside a torch.func transform ran after the pmapped call "
                 "returned; every replica must run it together, inside the mapped function"
             )
-        device = grads[0].device if grads else context.device  # where this backward runs
+        device = _backward_device(grads, context.device)
         if _shares_backward_thread(context, device):
             raise RuntimeError(
                 f"{op.name}'s backward inside a torch.func transform cannot run on replicas "
@@ -607,6 +609,12 @@ class _Spmd(torch.autograd.Function):
 
 for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.vmap):
     never_compiled(_method)
+
+
+def _backward_device(grads: Sequence[torch.Tensor], default: torch.device) -> torch.device:
+    """The device whose autograd thread runs a backward given ``grads``: as torch's engine
+    picks it (``InputBuffer::device``), the first gradient's device that is not the CPU."""
+    return next((g.device for g in grads if g.device.type != "cpu"), grads[0].device if grads else default)
 
 
 def _shares_backward_thread(context: _replica.ReplicaContext, device: torch.device) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _devices, _functional_call, _pmap, _scatter, _state, _tree
+from . import _devices, _functional_call, _pmap, _scatter, _state, _transfer, _tree
 
 __all__ = ["DataParallel"]
 
@@ -140,7 +140,11 @@ class DataParallel(nn.Module):
         if self._placed is not None and self._placed[0] == key:
             return self._placed[1]
         copies = _scatter.replicate(params, self._devices)
-        placed = {name: _state.PerReplica.prefix([c[name] for c in copies], self._devices) for name in params}
+        rows = _transfer.alias_shared_leaves([[c[name] for name in params] for c in copies], self._devices)
+        placed = {
+            name: _state.PerReplica.prefix([row[i] for row in rows], self._devices)
+            for i, name in enumerate(params)
+        }
         self._placed = (key, placed)
         return placed
 

@@ -194,9 +194,11 @@ def initialize(
     already exists, it is used as it is.
 
     Args:
-        backend: a ``torch.distributed`` backend: ``"nccl"``, ``"gloo"``, or one per device type
-            (``"cpu:gloo,cuda:nccl"``). Default: ``None``, ``"cpu:gloo,cuda:nccl"`` where CUDA
-            and NCCL are available (CPU replicas work on GPU machines too), else ``"gloo"``.
+        backend: a ``torch.distributed`` backend: ``"gloo"``, or one per device type
+            (``"cpu:gloo,cuda:nccl"``); ``"nccl"`` is taken as ``"cpu:gloo,cuda:nccl"``, as fdp
+            exchanges replica counts and weights as CPU tensors. Default: ``None``,
+            ``"cpu:gloo,cuda:nccl"`` where CUDA and NCCL are available (CPU replicas work on GPU
+            machines too), else ``"gloo"``.
         timeout: how long a collective may wait for other ranks (seconds or a timedelta).
             Default: ``300.0``.
         rank: this process's rank. Default: ``None``, from ``RANK``.
@@ -220,6 +222,8 @@ def initialize(
     if backend is None:
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    elif backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"
     if "nccl" in backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     owns_group = not dist.is_initialized()
@@ -235,6 +239,8 @@ def initialize(
         )
     if owns_group:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        backend = str(dist.get_backend())  # what the group runs, for _polls
     _STATE = _State(rank, world_size, local_rank, backend, store, timeout, _Communicator(), owns_group)
     previous_hook = sys.excepthook
 

@@ -215,7 +215,9 @@ def _place_replicated(
     """Copies the axis-None tensors to every replica's device (shared on one device)."""
     if not replicated:
         return
-    copies = _transfer.broadcast([leaves[k] for k in replicated], run_on)
+    copies = _transfer.alias_shared_leaves(
+        _transfer.broadcast([leaves[k] for k in replicated], run_on), run_on
+    )
     for j, k in enumerate(replicated):
         per_replica = [copies[r][j] for r in range(len(run_on))]
         for r, copy in enumerate(per_replica):

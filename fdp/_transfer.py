@@ -11,11 +11,12 @@ NCCL-backed coalesced broadcast and coalesced reduce-add), wrapped in autograd f
 backward is the mirror transfer, so double backward works. Everywhere else (CPU, mixed targets)
 they are plain ``torch.split``/``Tensor.to``/``torch.cat``, which autograd already differentiates.
 A tensor whose target is the device it is on is never copied: replicas that share a device
-share the tensor (replicas on a worker's CUDA stream get a view of a leaf that requires grad:
-see :func:`_alias_shared_leaves`).
+share the tensor (in a pmapped call, replicas on a worker's CUDA stream get a view of a leaf
+that requires grad: see :func:`alias_shared_leaves`).
 
-All transfers are issued from the caller's thread on the current stream of each device; the
-replica workers wait on those streams before they start (see ``_pool``).
+The transfers into and out of the replicas are issued from the caller's thread on the current
+stream of each device; the replica workers wait on those streams before they start (see
+``_pool``). Inside a collective they run in the combining replica's thread (see ``_streams``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.cuda.comm
 from torch.autograd import Function
 
-__all__ = ["to_device", "split_to", "broadcast", "gather_to", "reduce_add"]
+__all__ = ["to_device", "split_to", "broadcast", "alias_shared_leaves", "gather_to", "reduce_add"]
 
 # Indirection so tests can exercise the autograd wiring with a CPU stand-in for torch.cuda.comm.
 _comm: Any = torch.cuda.comm
@@ -43,6 +44,10 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _all_cuda(devices: Sequence[torch.device]) -> bool:
     return all(d.type == "cuda" for d in devices)
+
+
+def _any_cuda(devices: Sequence[torch.device]) -> bool:
+    return any(d.type == "cuda" for d in devices)
 
 
 def _comm_can_move(tensors: Sequence[torch.Tensor]) -> bool:
@@ -165,15 +170,14 @@ def broadcast(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) 
         for i, t in enumerate(tensors):
             if slots[i] is None:
                 slots[i] = to_device(t, d)
-    rows: list[list[torch.Tensor]] = [placed[d] for d in devices]  # type: ignore[misc]
-    if cuda_targets and torch.is_grad_enabled():
-        _alias_shared_leaves(rows)
-    return rows
+    return [placed[d] for d in devices]  # type: ignore[misc]
 
 
-def _alias_shared_leaves(rows: list[list[torch.Tensor]]) -> None:
-    """Gives every replica but the first a view of each CUDA leaf that requires grad, in place
-    of the leaf itself.
+def alias_shared_leaves(rows: list[list[Any]], devices: Sequence[torch.device]) -> list[list[Any]]:
+    """``rows`` (one list of values per replica, from :func:`broadcast`) with every replica but
+    the first given a view of each CUDA leaf that requires grad, in place of the leaf itself.
+    For the replicas of a call, issued from the caller's thread (not for ``fdp.replicate``,
+    which hands out the tensors as they are).
 
     Replica 0 runs on the caller's stream, the others on their workers' (see ``_pool``). A leaf
     accumulates its gradient on the stream its AccumulateGrad node was made on, and torch warns
@@ -182,13 +186,17 @@ def _alias_shared_leaves(rows: list[list[torch.Tensor]]) -> None:
     engine orders the streams there, as between any two nodes, and the leaf's gradient arrives
     from one stream. The view shares the leaf's memory and version counter.
     """
+    if not (torch.is_grad_enabled() and _any_cuda(devices)):
+        return rows
+    rows = list(rows)
     for r in range(1, len(rows)):
         row = None
         for i, t in enumerate(rows[r]):
-            if t.is_cuda and t.requires_grad and t.grad_fn is None:
+            if isinstance(t, torch.Tensor) and t.is_cuda and t.requires_grad and t.grad_fn is None:
                 if row is None:
                     row = rows[r] = list(rows[r])  # replicas on one device share the list
                 row[i] = t.view_as(t)
+    return rows
 
 
 def _broadcast_cuda(

@@ -685,3 +685,29 @@ def test_one_replica_gets_its_value_in_memory_of_its_own(reduce: Any, tree: str)
     before = x.clone()
     torch.testing.assert_close(f(x), expected)
     assert torch.equal(x, before)
+
+
+def test_a_backward_collective_is_placed_where_the_engine_runs_it() -> None:
+    # torch's autograd engine runs a backward on the thread of its first gradient that is not
+    # on the CPU: a CPU leaf first in the tree must not hide a GPU shared by the replicas.
+    cpu, elsewhere = torch.zeros(1), torch.zeros(1, device="meta")
+    assert _collectives._backward_device([cpu, elsewhere], torch.device("cpu")) == torch.device("meta")
+    assert _collectives._backward_device([cpu], torch.device("meta")) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("devices", "grad_device", "refused"),
+    [
+        (["cuda:0", "cuda:0"], "cuda:0", True),  # replicas share the GPU's engine thread
+        (["cuda:0", "cuda:1"], "cuda:0", False),  # each its own
+        (["cpu", "cpu"], "cuda:0", True),  # CUDA tensors in CPU replicas: may all be there
+        (["cpu"], "cuda:0", False),  # a lone replica waits for no one
+        (["cpu", "cpu"], "cpu", False),  # CPU backward runs in each replica's own thread
+    ],
+)
+def test_backward_collectives_refuse_a_shared_engine_thread(
+    devices: list[str], grad_device: str, refused: bool
+) -> None:
+    group = _replica.CallGroup(len(devices), [torch.device(d) for d in devices])
+    context = _replica.ReplicaContext("i", 0, len(devices), group.devices[0], group)
+    assert _collectives._shares_backward_thread(context, torch.device(grad_device)) is refused

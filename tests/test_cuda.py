@@ -207,9 +207,9 @@ def test_grad_of_psum_on_distinct_gpus() -> None:
 def test_collectives_wait_for_every_replicas_kernels(caller_stream: str) -> None:
     # Replica r queues 1 + 2r long matrix products on its stream before the collective and uses
     # the result at once after it. Without stream ordering, whichever replica combines reads
-    # another's buffer before it is written, or another reads its result too early. (The legacy
-    # default stream, replica 0's when the caller uses it, waits for the other streams' work by
-    # itself; a side stream, and the workers' streams among themselves, do not.)
+    # another's buffer before it is written, or another reads its result too early. (On an
+    # H100 the code without ordering failed with the caller on a side stream and passed, by
+    # timing or by the legacy default stream's implicit ordering, with it on the default one.)
     a = torch.randn(3, 4096, 4096, device="cuda")
 
     def heavy(x: torch.Tensor, times: int) -> torch.Tensor:
@@ -285,3 +285,38 @@ def test_shared_leaf_gets_its_gradient_from_one_stream() -> None:
         assert params["weight"].grad is not None
         """
     )
+
+
+def test_replicate_hands_out_a_shared_leaf_as_it_is() -> None:
+    # The view that keeps a leaf's gradient on one stream is for the replicas of a call only.
+    w = torch.ones(3, device="cuda", requires_grad=True)
+    copies = fdp.replicate({"w": w}, TWO_ON_ONE)
+    assert copies[0]["w"] is w and copies[1]["w"] is w
+
+
+def test_data_parallel_on_two_replicas_of_one_gpu_matches_the_module() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).cuda()
+    x = torch.randn(12, 8, device="cuda")
+    wrapped = fdp.DataParallel(model, device_ids=TWO_ON_ONE)
+    wrapped(x).square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_grad_of_psum_with_a_cpu_leaf_first_still_refuses_a_shared_gpu() -> None:
+    # The engine runs this backward on cuda:0's thread (its first non-CPU gradient), which the
+    # two replicas share: refused, not left waiting forever.
+    def loss(p, x):
+        out = fdp.psum({"a": p["a"].sum(), "b": p["b"] * x.sum()}, "i")
+        return out["b"].sum().cpu() + out["a"]
+
+    def f(x):
+        return torch.func.grad(loss)({"a": torch.ones(2), "b": torch.ones(2, device="cuda")}, x)["b"]
+
+    step = fdp.pmap(f, axis_name="i", devices=TWO_ON_ONE)
+    with pytest.raises(RuntimeError, match="cannot run on replicas that share cuda:0"):
+        finishes(lambda: step(torch.ones(2, 3, device="cuda")))

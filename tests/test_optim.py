@@ -245,3 +245,16 @@ def test_params_that_require_grad_grow_no_graph() -> None:
             params = optim.apply_updates(params, updates)
     leaves = [t for t in optree.tree_leaves((params, state)) if isinstance(t, torch.Tensor)]
     assert all(t.grad_fn is None for t in leaves)
+
+
+def test_structure_check_runs_outside_the_graph_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # While compiling, the check runs on the trees in eager code (torch 2.11's dynamo cannot
+    # compare two specs); it must still catch a mismatch there.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    params = {"a": torch.ones(2), "b": torch.ones(3)}
+    assert optim.apply_updates(params, {"a": torch.ones(2), "b": torch.ones(3)})["b"].tolist() == [2.0] * 3
+    with pytest.raises(ValueError, match="apply_updates: params are"):
+        optim.apply_updates(params, {"a": torch.ones(2), "c": torch.ones(3)})
+    opt = optim.sgd(0.1)
+    with pytest.raises(ValueError, match="apply_gradients got params"):
+        opt.apply_gradients({"a": torch.ones(2), "c": torch.ones(3)}, opt.init(params), params)
