@@ -183,14 +183,18 @@ def _mismatch(
     ``spec_b``) differ; None where they are the same."""
     if torch.compiler.is_compiling():
         return _mismatch_eagerly(a, b)
-    return None if _tree.same_structure(spec_a, spec_b) else (str(spec_a), str(spec_b))
+    return _differing(spec_a, spec_b)
 
 
 @eager_under_compile
 def _mismatch_eagerly(a: Tree, b: Tree) -> tuple[str, str] | None:
     """:func:`_mismatch` outside the graph: torch 2.11's dynamo cannot compare two specs (its
     stand-in for them compares their node types' functions, which it cannot trace)."""
-    spec_a, spec_b = _leaves(a)[1], _leaves(b)[1]
+    return _differing(_leaves(a)[1], _leaves(b)[1])
+
+
+def _differing(spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec) -> tuple[str, str] | None:
+    """The two structures written out if they differ, else None."""
     return None if _tree.same_structure(spec_a, spec_b) else (str(spec_a), str(spec_b))
 
 
