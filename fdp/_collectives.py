@@ -25,10 +25,10 @@ Differentiation, two ways:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-import optree
 import torch
 
 from . import _distributed, _replica, _streams, _transfer, _tree
@@ -100,13 +100,18 @@ _unflatten_dense = torch._C._nn.unflatten_dense_tensors
 
 
 class _Packed:
-    """A tree's tensor leaves as one flat buffer per (device, dtype)."""
+    """A tree's tensor leaves as one flat buffer per (device, dtype).
 
-    __slots__ = (
-        "tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "whole", "metadata"
-    )  # fmt: skip
+    Numbers become 0-dim tensors on ``device``. ``numbers`` says how the reduction takes them
+    (one pass over the leaves does it, rather than a tree map before packing): ``"as_is"``;
+    ``"count"`` (``psum``: booleans count, as int64, as in ``jax.lax.psum`` and ``torch.sum``);
+    ``"float"`` (``pmean``: Python ints and bools average as floats of the default dtype, and a
+    tensor that is not floating-point or complex is an error).
+    """
 
-    def __init__(self, tree: Any, caller: str, device: torch.device) -> None:
+    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "whole")
+
+    def __init__(self, tree: Any, caller: str, device: torch.device, numbers: str = "as_is") -> None:
         leaves, treespec = _tree.flatten(tree)
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
@@ -114,12 +119,23 @@ class _Packed:
         self.leaves = list(leaves)
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for k, leaf in enumerate(self.leaves):
-            if isinstance(leaf, bool | int | float):
+            if isinstance(leaf, torch.Tensor):
+                if numbers == "float" and not (leaf.is_floating_point() or leaf.is_complex()):
+                    raise TypeError(
+                        f"{caller} averages floating-point tensors, but {self._path(k)} is "
+                        f"{_tree.describe(leaf)}; use fdp.psum for integer counts"
+                    )
+                if numbers == "count" and leaf.dtype == torch.bool:
+                    leaf = self.leaves[k] = leaf.to(torch.int64)
+            elif isinstance(leaf, bool | int | float):
+                if numbers == "float":
+                    leaf = float(leaf)
+                elif numbers == "count" and isinstance(leaf, bool):
+                    leaf = int(leaf)
                 leaf = self.leaves[k] = torch.as_tensor(leaf, device=device)
-            elif not isinstance(leaf, torch.Tensor):
-                path = _tree.flatten_with_paths(tree, "x")[0][k]
+            else:
                 raise TypeError(
-                    f"{caller} takes trees of tensors (and numbers), but {path} is a "
+                    f"{caller} takes trees of tensors (and numbers), but {self._path(k)} is a "
                     f"{type(leaf).__name__}: {leaf!r}"
                 )
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
@@ -148,7 +164,14 @@ class _Packed:
             else:  # torch.func's transforms have no rule for flatten_dense_tensors
                 self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
             self.aliased.append(len(members) == 1)
-        self.metadata = tuple((t.dtype, tuple(t.shape)) for t in self.leaves)
+
+    def _path(self, k: int) -> str:
+        """Leaf ``k``'s key path, for messages."""
+        return _tree.flatten_with_paths(self.tree, "x")[0][k]
+
+    def metadata(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+        """Every leaf's dtype and shape (compared between replicas)."""
+        return tuple((t.dtype, tuple(t.shape)) for t in self.leaves)
 
     def private_buffers(self) -> list[torch.Tensor]:
         """The buffers, none sharing memory with a leaf: for replicas that read each other's
@@ -184,7 +207,7 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
                 f"{caller}: the replicas passed trees of different structure: replica 0 passed "
                 f"{first.treespec} but replica {r} passed {packed.treespec}"
             )
-        if packed.metadata == first.metadata:
+        if packed.metadata() == first.metadata():
             continue
         paths = _tree.flatten_with_paths(first.tree, "x")[0]
         for k, (a, b) in enumerate(zip(first.leaves, packed.leaves)):
@@ -262,6 +285,11 @@ class _Op:
         exchange returns, or ``None`` to have :meth:`combine` compute every result at once."""
         return None
 
+    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any) -> bool:
+        """Whether the only replica of ``group`` (in this process) gets the value it passed,
+        with nothing to exchange: then it gets a private copy of it at once."""
+        return False
+
 
 class _AllReduce(_Op):
     """An elementwise reduction over the replicas, with optional weights.
@@ -328,6 +356,14 @@ class _AllReduce(_Op):
         if self.reduce != "sum" or group.distributed:
             return False
         return group.size == 1 or all(d.type == "cpu" for d in group.devices)
+
+    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any) -> bool:
+        # The sum, mean, maximum or minimum of one value is that value; so is its weighted
+        # mean, w * x / w, for a positive finite weight (w / w is exactly 1.0). A weight of 0
+        # takes the exchange, which reports it.
+        if group.distributed:
+            return False
+        return self.scaling in ("none", "mean") or 0.0 < extra < math.inf
 
     def combine_each(
         self, buffers: list[torch.Tensor], extras: list[Any], group: _replica.CallGroup
@@ -650,13 +686,19 @@ def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
     return hook
 
 
-def _run(op: _Op, tree: Any, axis_name: Hashable, extra: Any = None) -> tuple[_Packed, list[torch.Tensor]]:
-    """Packs ``tree`` and runs ``op`` in the mode that fits how the replica differentiates."""
+def _run(
+    op: _Op, tree: Any, axis_name: Hashable, extra: Any = None, *, numbers: str = "as_is"
+) -> tuple[_Packed, list[torch.Tensor]]:
+    """Packs ``tree`` (``numbers``: see :class:`_Packed`) and runs ``op`` in the mode that fits
+    how the replica differentiates."""
     context = _bound(axis_name, op.name)
-    packed = _Packed(tree, op.name, context.device)
+    packed = _Packed(tree, op.name, context.device, numbers)
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
-    if op.defers(context.group):
+    if context.group.size == 1 and op.keeps_lone_value(context.group, extra):
+        # The only replica: its result is its own value, in memory of its own; no exchange.
+        results = packed.private_buffers()
+    elif op.defers(context.group):
         results = _exchange(op, context, packed.private_buffers(), extra, packed, defer=True)
     else:
         results = _exchange(op, context, packed.buffers, extra, packed)
@@ -699,24 +741,8 @@ def psum(x: Any, axis_name: Hashable) -> Any:
         >>> f(torch.arange(4.0))
         tensor([-6., -5., -4., -3.])
     """
-    packed, results = _run(_AllReduce("sum"), _counts_for_bools(x), axis_name)
+    packed, results = _run(_AllReduce("sum"), x, axis_name, numbers="count")
     return packed.unpack(results)
-
-
-def _counts_for_bools(x: Any) -> Any:
-    """Booleans summed count, as in ``jax.lax.psum`` and ``torch.sum``: they become int64."""
-    _tree.flatten(x)
-    return optree.tree_map(
-        lambda v: (
-            v.to(torch.int64)
-            if isinstance(v, torch.Tensor) and v.dtype == torch.bool
-            else int(v)
-            if isinstance(v, bool)
-            else v
-        ),
-        x,
-        namespace=_tree.NAMESPACE,
-    )
 
 
 @eager_under_compile
@@ -746,34 +772,14 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         >>> mean_of_means(torch.tensor([1.0, 2.0, 3.0]))  # shards [1, 2] and [3]
         tensor(2.)
     """
-    x = _floating(x, "fdp.pmean")
     if weight is None:
-        packed, results = _run(_AllReduce("sum", "mean"), x, axis_name)
+        packed, results = _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float")
         return packed.unpack(results)
     value = float(weight)
     if not value >= 0:
         raise ValueError(f"fdp.pmean: weight must be a non-negative number, got {weight!r}")
-    packed, results = _run(_AllReduce("sum", "weighted_in"), x, axis_name, value)
+    packed, results = _run(_AllReduce("sum", "weighted_in"), x, axis_name, value, numbers="float")
     return packed.unpack(results)
-
-
-def _floating(x: Any, caller: str) -> Any:
-    """``x`` with Python ints and bools as floats (their mean is one), once its tensors are
-    checked to be floating-point or complex."""
-    leaves, _ = _tree.flatten(x)
-    if all([not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() for t in leaves]):
-        if not any([isinstance(t, int) for t in leaves]):  # bools are ints
-            return x
-        return optree.tree_map(lambda v: float(v) if isinstance(v, int) else v, x, namespace=_tree.NAMESPACE)
-    # Key paths are only worked out for the message.
-    paths, leaves, _ = _tree.flatten_with_paths(x, "x")
-    for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
-                f"{caller} averages floating-point tensors, but {path} is {_tree.describe(leaf)}; "
-                "use fdp.psum for integer counts"
-            )
-    return x  # not reached: some leaf failed the test above
 
 
 @eager_under_compile

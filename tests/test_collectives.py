@@ -574,6 +574,9 @@ def test_psum_of_booleans_counts() -> None:
 def test_weights_summing_to_zero() -> None:
     with pytest.raises(ValueError, match="weights sum to 0.0"):
         per_row(lambda x: fdp.pmean(x, "i", weight=0.0))(rows())
+    alone = fdp.pmap(lambda x: fdp.pmean(x, "i", weight=0.0), axis_name="i", devices=cpus(1))
+    with pytest.raises(ValueError, match="weights sum to 0.0"):  # one replica has no exchange
+        alone(rows())
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -665,11 +668,14 @@ def test_a_replica_changing_its_input_after_psum_does_not_change_another_replica
         torch.testing.assert_close(fdp.unreplicate(out, r), torch.tensor([11.0, 22.0]))
 
 
-@pytest.mark.parametrize("reduce", [fdp.psum, fdp.pmean, lambda t, name: fdp.pmean(t, name, weight=3.0)])
+@pytest.mark.parametrize(
+    "reduce", [fdp.psum, fdp.pmean, lambda t, name: fdp.pmean(t, name, weight=3.0), fdp.pmax, fdp.pmin]
+)
 @pytest.mark.parametrize("tree", ["one leaf", "several leaves"])
 def test_one_replica_gets_its_value_in_memory_of_its_own(reduce: Any, tree: str) -> None:
-    """One replica's sum is its own value, handed back without arithmetic, in a buffer that is
-    not its input's: changing the result in place leaves the input alone."""
+    """One replica's sum (mean, maximum, ...) is its own value, handed back without arithmetic
+    or exchange, in a buffer that is not its input's: changing the result in place leaves the
+    input alone."""
     x = torch.randn(1, 6)
 
     @fdp.pmap(axis_name="i", devices=cpus(1), out_axes=None)
@@ -685,6 +691,27 @@ def test_one_replica_gets_its_value_in_memory_of_its_own(reduce: Any, tree: str)
     before = x.clone()
     torch.testing.assert_close(f(x), expected)
     assert torch.equal(x, before)
+
+
+def test_one_replica_reduces_without_an_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing to meet: the lone replica's reductions skip the exchange (a step's worth of
+    # Python on the one-replica path); other collectives still take it.
+    exchanges: list[Any] = []
+    exchange = _replica.CallGroup.exchange
+    monkeypatch.setattr(
+        _replica.CallGroup,
+        "exchange",
+        lambda self, *a, **k: exchanges.append(a[1]) or exchange(self, *a, **k),
+    )
+
+    @fdp.pmap(axis_name="i", devices=cpus(1), out_axes=None)
+    def f(x: torch.Tensor) -> Any:
+        return fdp.psum(x, "i"), fdp.pmean(x, "i", weight=2), fdp.pmax(x, "i"), fdp.all_gather(x, "i")
+
+    x = torch.arange(3.0)
+    total, mean, largest, gathered = f(x)
+    assert all(torch.equal(t, x) for t in (total, mean, largest)) and torch.equal(gathered, x[None])
+    assert [name for name, *_ in exchanges] == ["fdp.all_gather"]
 
 
 def test_a_backward_collective_is_placed_where_the_engine_runs_it() -> None:
