@@ -10,7 +10,9 @@ For the one tensor, two more rows: 2 replicas with the caller never running repl
 start and join of one thread, which ``nn.DataParallel`` pays per extra replica per call.
 
 Last, a training step of about 1 ms (forward and ``torch.autograd.grad`` of a small MLP) called
-directly and pmapped on one CPU replica.
+directly and pmapped on one CPU replica; and the same model's functional training step (with
+an SGD update) called directly on plain state and pmapped on one replica with resident state,
+as a training loop runs it, without and with a ``pmean`` of the gradients.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from _harness import arguments, interleaved, table, write_json
 
 import fdp
-from fdp import _pool
+from fdp import _pool, optim
 
 
 def nested(leaves: int) -> dict[str, Any]:
@@ -49,31 +51,25 @@ def thread_start_join(fn: Any, value: Any) -> None:
     thread.join()
 
 
-def training_step_rows(rounds: int) -> list[dict[str, Any]]:
-    """A ~1 ms step (MLP 320-320-320-10, batch 64, forward + gradients), direct and on 1 replica."""
+def small_mlp() -> torch.nn.Module:
+    """MLP 320-320-320-10: forward and gradients of a batch of 64 take about 1 ms."""
     width = 320
-    model = torch.nn.Sequential(
+    return torch.nn.Sequential(
         torch.nn.Linear(width, width),
         torch.nn.ReLU(),
         torch.nn.Linear(width, width),
         torch.nn.ReLU(),
         torch.nn.Linear(width, 10),
     )
-    params = list(model.parameters())
-    x = torch.randn(64, width)
 
-    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(model(x).square().mean(), params)
 
-    mapped = fdp.pmap(step, devices=["cpu"], out_axes=None)
+def against_direct(label: str, variants: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     # Many short rounds: the difference sought (tens of microseconds on a millisecond) is smaller
     # than this machine's drift over a few seconds, and short rounds pair the variants closely.
-    times = interleaved(
-        {"direct": lambda: step(x), "1 replicas": lambda: mapped(x)}, calls=5, rounds=20 * rounds
-    )
+    times = interleaved(variants, calls=5, rounds=20 * rounds)
     return [
         {
-            "input": "~1 ms step",
+            "input": label,
             "variant": name,
             "us_per_call": seconds * 1e6,
             "over_direct_us": (seconds - times["direct"]) * 1e6,
@@ -81,6 +77,64 @@ def training_step_rows(rounds: int) -> list[dict[str, Any]]:
         }
         for name, seconds in times.items()
     ]
+
+
+def training_step_rows(rounds: int) -> list[dict[str, Any]]:
+    """A ~1 ms step (forward + gradients), direct and on 1 replica."""
+    model = small_mlp()
+    params = list(model.parameters())
+    x = torch.randn(64, 320)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(model(x).square().mean(), params)
+
+    mapped = fdp.pmap(step, devices=["cpu"], out_axes=None)
+    return against_direct("~1 ms step", {"direct": lambda: step(x), "1 replicas": lambda: mapped(x)}, rounds)
+
+
+def resident_step_rows(rounds: int) -> list[dict[str, Any]]:
+    """A ~1 ms functional training step (forward, gradients, SGD update of a parameter dict)
+    called directly on plain state, and pmapped on 1 replica with resident state: the
+    one-replica path of a training loop (the GPU target's). Pmapped also with a ``pmean`` of
+    the gradients, which a direct call has no counterpart of: on one replica it hands back a
+    private copy of them (one pass over the gradients' memory)."""
+    model = small_mlp()
+    opt = optim.sgd(0.01)
+    x = torch.randn(64, 320)
+
+    def update(state: dict[str, Any], x: torch.Tensor, mean: Any = None) -> dict[str, Any]:
+        leaves = {k: v.detach().requires_grad_() for k, v in state["params"].items()}
+        loss = fdp.functional_call(model, leaves, (x,)).square().mean()
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        if mean is not None:
+            grads = mean(grads)
+        params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        return {"params": params, "opt": opt_state}
+
+    def pmeaned(state: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+        return update(state, x, lambda g: fdp.pmean(g, "b", weight=x.shape[0]))
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    boxes = {"plain": {"params": params, "opt": opt.init(params)}}
+
+    def direct() -> None:
+        boxes["plain"] = update(boxes["plain"], x)
+
+    def resident(fn: Any, name: str, **options: Any) -> Any:
+        mapped = fdp.pmap(fn, devices=["cpu"], out_axes=fdp.PER_REPLICA, **options)
+        boxes[name] = fdp.device_put_replicated(boxes["plain"], ["cpu"])
+
+        def run() -> None:
+            boxes[name] = mapped(boxes[name], x)
+
+        return run
+
+    variants = {
+        "direct": direct,
+        "1 replicas": resident(update, "resident"),
+        "1 replicas, pmean": resident(pmeaned, "pmean", axis_name="b"),
+    }
+    return against_direct("~1 ms resident step", variants, rounds)
 
 
 def main() -> None:
@@ -112,6 +166,7 @@ def main() -> None:
                 row["ratio_to_bare"] = seconds / times["bare chunk+cat (2)"]
             rows.append(row)
     rows += training_step_rows(args.rounds)
+    rows += resident_step_rows(args.rounds)
     print(
         table(rows, ["input", "variant", "us_per_call", "over_direct_us", "ratio_to_bare", "ratio_to_direct"])
     )

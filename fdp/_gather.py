@@ -52,13 +52,14 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 class OutputPlan:
     """Per-leaf out axes for one output structure (cached by ``fdp.pmap``)."""
 
-    __slots__ = ("treespec", "axes", "all_zero", "all_none")
+    __slots__ = ("treespec", "axes", "all_zero", "all_none", "all_per_replica")
 
     def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any]) -> None:
         self.treespec = treespec
         self.axes = axes
         self.all_zero = _axes.all_zero(axes)
         self.all_none = all(a is _axes.BROADCAST for a in axes)
+        self.all_per_replica = bool(axes) and all(a is _state.PER_REPLICA for a in axes)
 
 
 def gather_outputs(
@@ -82,13 +83,20 @@ def gather_outputs(
     """
     lone = len(outputs) == 1
     # A lone replica's output is returned as it is where it can be, with nothing rebuilt from
-    # its structure, which may then be matched loosely (see _tree.LastStructure).
-    leaves, treespec, plan = _flat_output(outputs[0], out_axes, plans, structure, exact=not lone)
+    # its structure, which may then be matched loosely (see _tree.LastStructure); where the
+    # last call's output had to be rebuilt (resident state), it is flattened exactly at once.
+    exact = not lone or (structure is not None and _rebuilt(structure.kept()))
+    leaves, treespec, plan, exact = _flat_output(outputs[0], out_axes, plans, structure, exact=exact)
     if lone:
         if _whole_as_it_is(leaves, plan, destination):
             return outputs[0]  # one replica, nothing to join, already on the destination
-        if structure is not None and not structure.exact(treespec):  # to be rebuilt from it
-            leaves, treespec, plan = _flat_output(outputs[0], out_axes, plans, structure, exact=True)
+        if not exact:  # to be rebuilt from it
+            leaves, treespec, plan, _ = _flat_output(outputs[0], out_axes, plans, structure, exact=True)
+        if plan.all_per_replica and devices is not None:  # resident state, in one short loop
+            mine = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
+            return _tree.unflatten(
+                treespec, [_state.PerReplica((_own_copy(v, mine),), devices) for v in leaves]
+            )
     flat = [(leaves, treespec)]
     if not lone:
         types = list(map(type, leaves))
@@ -125,12 +133,13 @@ def _flat_output(
     structure: _tree.LastStructure | None,
     *,
     exact: bool,
-) -> tuple[list[Any], optree.PyTreeSpec, OutputPlan]:
-    """Replica 0's output flattened (along the last call's with ``structure``), and its plan."""
+) -> tuple[list[Any], optree.PyTreeSpec, OutputPlan, bool]:
+    """Replica 0's output flattened (along the last call's with ``structure``), its plan, and
+    whether the structure is surely the output's own (see :meth:`_tree.LastStructure.flatten`)."""
     if structure is not None:
-        leaves, treespec, plan = structure.flatten(output, exact=exact)
+        leaves, treespec, plan, exact = structure.flatten(output, exact=exact)
     else:
-        (leaves, treespec), plan = _tree.flatten(output), None
+        (leaves, treespec), plan, exact = _tree.flatten(output), None, True
     if plan is None:
         plan = plans.get(treespec) if plans is not None else None
         if plan is None:
@@ -140,7 +149,14 @@ def _flat_output(
                 plans[treespec] = plan
         if structure is not None:
             structure.keep(treespec, plan)
-    return leaves, treespec, plan
+    return leaves, treespec, plan, exact
+
+
+def _rebuilt(plan: OutputPlan | None) -> bool:
+    """Whether a lone replica's output with this plan is rebuilt rather than returned as it is
+    (see :func:`_whole_as_it_is`; a plan of 0 axes on another device than the CPU may be
+    either)."""
+    return plan is not None and not (plan.all_none or plan.all_zero)
 
 
 def _whole_as_it_is(leaves: list[Any], plan: OutputPlan, destination: torch.device) -> bool:
@@ -193,7 +209,10 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:  # a tensor without one storage (sparse): told apart by identity
+        return id(t)
 
 
 def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
@@ -201,16 +220,19 @@ def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
     with earlier per-replica outputs: resident state may be updated in place, replica by
     replica. A value that would share (a replicated input returned as is, a shard of the
     caller's batch) is copied; a replica's own fresh tensor is kept as it is."""
-    own = []
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.numel() > 0:
-            storage = _storage(v)
-            if storage in taken:
-                v = v.clone()
-                storage = _storage(v)
-            taken.add(storage)
-        own.append(v)
-    return own
+    return [_own_copy(v, taken) for v in values]
+
+
+def _own_copy(value: Any, taken: set[int]) -> Any:
+    """``value``, or a copy of it where it shares memory with ``taken`` (see :func:`_own_copies`),
+    whose memory is then taken too."""
+    if isinstance(value, torch.Tensor) and value.numel() > 0:
+        storage = _storage(value)
+        if storage in taken:
+            value = value.clone()
+            storage = _storage(value)
+        taken.add(storage)
+    return value
 
 
 def _device_of(value: Any, default: torch.device) -> torch.device:

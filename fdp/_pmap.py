@@ -70,7 +70,10 @@ class Pmapped(Generic[P, R]):
         self.in_axes = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
         self.out_axes = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
-        self._lone: _pool.LoneReplica | None = None  # with the devices: one CPU replica's runner
+        self._lone: _pool.LoneReplica | None = None  # with the devices: one replica's runner
+        # Whether the last call's lone replica got rebuilt trees (resident state), which need
+        # the arguments' exact structure: the next call then flattens exactly from the start.
+        self._lone_rebuilds = False
         self.axis_name = axis_name
         self.split = _split.check_split(split, what=f"{what} split")
         self._devices_arg = (
@@ -156,7 +159,7 @@ class Pmapped(Generic[P, R]):
                 if self._output_device_arg is None
                 else _devices.check_available(self._output_device_arg, what=f"{what} output_device")
             )
-            if len(devices) == 1 and devices[0] == _devices.CPU:
+            if len(devices) == 1 and devices[0].type in ("cpu", "cuda"):
                 self._lone = _pool.LoneReplica(devices[0], axis_name=self.axis_name, caller=what)
             self._resolved = (devices, output)
         return self._resolved
@@ -180,16 +183,28 @@ class Pmapped(Generic[P, R]):
         lone = self._lone
         # A lone replica takes the argument trees as they are, with nothing rebuilt from their
         # structure, which may then be matched loosely (see _tree.LastStructure).
-        leaves, treespec, plan = self._arguments(parts, roots, exact=lone is None)
-        if lone is not None and _scatter.fits_one_cpu_replica(leaves, plan.axes, all_zero=plan.all_zero):
-            # One CPU replica, and scattering would hand it every leaf unchanged: it takes the
-            # argument trees as they are. Around a step of a millisecond, the skipped work
-            # (re-building trees, the general scatter) would be measurable.
-            outputs = [lone(self._call_replica, parts, statics)]
+        leaves, treespec, plan, exact = self._arguments(
+            parts, roots, exact=lone is None or self._lone_rebuilds
+        )
+        row = None
+        if lone is not None:
+            row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
+            if row is not None and row is not leaves and not exact:
+                # Resident state: the trees are rebuilt with each PerReplica's value, from their
+                # exact structure (a loose match may hold another call's containers).
+                leaves, treespec, plan, exact = self._arguments(parts, roots, exact=True)
+                row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
+            self._lone_rebuilds = row is not None and row is not leaves
+        if lone is not None and row is not None:
+            # One replica that scattering would hand every tensor unchanged: it runs on the
+            # argument trees as they are (or rebuilt with the resident values), with no general
+            # scatter. Around a step of a millisecond, the skipped work would be measurable.
+            tree = parts if row is leaves else _tree.unflatten(treespec, row)
+            outputs = [lone(self._call_replica, tree, statics)]
             run_on: tuple[torch.device, ...] = devices
         else:
-            if lone is not None and not self._inputs.exact(treespec):  # rebuilt from it: exactly
-                leaves, treespec, plan = self._arguments(parts, roots, exact=True)
+            if not exact:  # the trees are rebuilt from the structure: exactly
+                leaves, treespec, plan, _ = self._arguments(parts, roots, exact=True)
             outputs, run_on = self._scatter_and_run(leaves, treespec, plan, devices, parts, roots, statics)
         return _gather.gather_outputs(
             outputs,
@@ -205,16 +220,17 @@ class Pmapped(Generic[P, R]):
 
     def _arguments(
         self, parts: tuple[Any, ...], roots: tuple[str, ...], *, exact: bool
-    ) -> tuple[list[Any], optree.PyTreeSpec, _Plan]:
+    ) -> tuple[list[Any], optree.PyTreeSpec, _Plan, bool]:
         """The argument trees' leaves and structure (along the last call's where they repeat
-        it), and the structure's plan."""
-        leaves, treespec, plan = self._inputs.flatten(parts, exact=exact)
+        it), the structure's plan, and whether the structure is surely theirs (see
+        :meth:`_tree.LastStructure.flatten`)."""
+        leaves, treespec, plan, exact = self._inputs.flatten(parts, exact=exact)
         if plan is None:  # a structure other than the last call's
             plan = self._plans.get(treespec)
             if plan is None:
                 plan = self._plans[treespec] = self._make_plan(parts, roots)
             self._inputs.keep(treespec, plan)
-        return leaves, treespec, plan
+        return leaves, treespec, plan, exact
 
     def _scatter_and_run(
         self,

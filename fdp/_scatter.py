@@ -16,7 +16,7 @@ import torch
 
 from . import _axes, _devices, _split, _state, _transfer, _tree
 
-__all__ = ["scatter", "replicate", "scatter_leaves", "Scattered", "fits_one_cpu_replica"]
+__all__ = ["scatter", "replicate", "scatter_leaves", "Scattered", "one_replica_row"]
 
 
 class Scattered:
@@ -132,31 +132,61 @@ def scatter_leaves(
     return Scattered(rows, run_on, sizes, shared)
 
 
-def fits_one_cpu_replica(leaves: Sequence[Any], axes: Sequence[Any], *, all_zero: bool) -> bool:
-    """Whether one replica on the CPU can take ``leaves`` as they are: every leaf a CPU tensor,
-    every mapped one of a valid rank and one non-empty batch size. Scattering them would hand
-    each leaf over unchanged, so ``fdp.pmap`` skips it (and rebuilding the tree). When False,
-    :func:`scatter_leaves` handles the input, errors included."""
-    if all_zero:  # the usual in_axes=0
-        return _batch_along_0_on_cpu(leaves) is not None
-    if not _tree.TENSOR_TYPES.issuperset(map(type, leaves)):
-        return False
-    batch: int | None = None
+# Leaves that every replica gets as they are, mapped or not (a step count in resident state).
+_PLAIN_VALUES = frozenset({int, float, bool, complex, str, bytes})
+
+
+def one_replica_row(
+    leaves: Sequence[Any], axes: Sequence[Any], device: torch.device, *, all_zero: bool
+) -> Sequence[Any] | None:
+    """What one replica on ``device`` gets from ``leaves`` when scattering would hand it every
+    tensor unchanged, or None when it would do more (a move, a split, an error to report).
+
+    Every tensor leaf must be on ``device``, and the mapped ones of a valid rank with one
+    non-empty batch size; the other leaves may be plain values (numbers, strings), which reach
+    the replica as they are, and :class:`~fdp.PerReplica` leaves, which give it their value
+    there. Returns ``leaves`` itself when nothing is to be replaced, else a new list with each
+    PerReplica's value. ``fdp.pmap`` then skips the general scatter; when None,
+    :func:`scatter_leaves` handles the input, errors included.
+    """
+    on_cpu = device == _devices.CPU
+    if all_zero and on_cpu and _batch_along_0_on_cpu(leaves) is not None:  # the usual in_axes=0
+        return leaves
+    # One plain loop: on the one-replica path, right after a step's kernels have evicted this
+    # code from the caches, each line counts.
+    tensor_types = _tree.TENSOR_TYPES
+    per_replica = _state.PerReplica
     broadcast = _axes.BROADCAST
-    for leaf, axis in zip(leaves, axes):
-        if not leaf.is_cpu:
-            return False
+    row: list[Any] | None = None
+    batch: int | None = None
+    for k, (leaf, axis) in enumerate(zip(leaves, axes)):
+        kind = type(leaf)
+        if kind is per_replica:  # resident state: the replica's own value, where it lives
+            if leaf.devices[0] != device or not (len(leaf.values) == 1 or leaf.prefix_ok):
+                return None
+            if row is None:
+                row = list(leaves)
+            row[k] = leaf.values[0]
+            continue
+        if kind in _PLAIN_VALUES:  # reaches the replica unchanged, whatever its axis
+            continue
+        if kind not in tensor_types or not (leaf.is_cpu if on_cpu else leaf.device == device):
+            return None
         if axis is broadcast:
             continue
         ndim = leaf.dim()
         if not -ndim <= axis < ndim:
-            return False
+            return None
         size = leaf.shape[axis]
         if batch is None:
             batch = size
         elif size != batch:
-            return False
-    return bool(batch)  # None: nothing mapped; 0: an empty batch (both errors)
+            return None
+    if batch is None:  # nothing mapped: runs on resident state alone, else an error
+        return row
+    if not batch:  # an empty batch: an error
+        return None
+    return leaves if row is None else row
 
 
 def _batch_along_0_on_cpu(leaves: Sequence[Any]) -> int | None:

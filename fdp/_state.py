@@ -70,6 +70,9 @@ class PerReplica:
         return f"PerReplica({len(self.values)} replicas on {devices}: {_tree.describe(self.values[0])})"
 
 
+_tree.always_leaf(PerReplica)  # never a container: flattening needs no registry check for it
+
+
 class _PerReplicaAxis:
     __slots__ = ()
 

@@ -57,6 +57,13 @@ _LEAF_TYPES: set[type] = {
     torch.dtype,
 }
 _REGISTERED: set[type] = set()
+
+
+def always_leaf(cls: type) -> None:
+    """Counts ``cls`` (one of fdp's own value types) among the types that are always leaves."""
+    _LEAF_TYPES.add(cls)
+
+
 # Other types found to be leaves. A user may register one with optree later, so this cache is
 # emptied whenever the types registered with optree change.
 _SEEN_LEAF_TYPES: set[type] = set()
@@ -321,15 +328,16 @@ class LastStructure:
         # one attribute, replaced whole, so concurrent calls never see a mix of two calls'.
         self._last: tuple[optree.PyTreeSpec, list[type], tuple[int, Any] | None, Any, bool] | None = None
 
-    def flatten(self, tree: Any, *, exact: bool = True) -> tuple[list[Any], optree.PyTreeSpec, Any]:
-        """``tree``'s leaves and structure, and the value kept with it (None if none)."""
+    def flatten(self, tree: Any, *, exact: bool = True) -> tuple[list[Any], optree.PyTreeSpec, Any, bool]:
+        """``tree``'s leaves and structure, the value kept with it (None if none), and whether
+        that structure is surely the tree's own (not one matched loosely with ``exact=False``)."""
         last = self._last
         generation = _registry_generation()  # no type changed kind since: same structures
         if last is not None and (last[4] or not exact) and last[2] == generation:
-            spec, types, _, kept, _ = last
+            spec, types, _, kept, along = last
             leaves = _along(tree, spec, types)
             if leaves is not None:
-                return leaves, spec, kept
+                return leaves, spec, kept, along
         leaves, spec = flatten(tree)
         types = list(map(type, leaves))
         if last is not None and last[2] == generation and last[1] == types and same_structure(last[0], spec):
@@ -339,13 +347,12 @@ class LastStructure:
         else:
             along, kept = _flattens_along(spec), None
         self._last = (spec, types, generation, kept, along)
-        return leaves, spec, kept
+        return leaves, spec, kept, True
 
-    def exact(self, spec: optree.PyTreeSpec) -> bool:
-        """Whether ``spec``, as :meth:`flatten` returned it, is surely the tree's own structure
-        (not one matched loosely with ``exact=False``)."""
+    def kept(self) -> Any:
+        """The value kept with the last structure flattened (None if none)."""
         last = self._last
-        return last is not None and last[0] is spec and last[4]
+        return None if last is None else last[3]
 
     def keep(self, spec: optree.PyTreeSpec, value: Any) -> None:
         """Keeps ``value`` with ``spec`` if that is still the last structure flattened."""

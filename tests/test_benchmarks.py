@@ -39,6 +39,7 @@ def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
         assert {(given, f"{n} replicas") for n in (1, 2, 4)} <= measured
     assert ("1000 leaves", "bare chunk+cat (2)") in measured
     assert ("~1 ms step", "1 replicas") in measured
+    assert ("~1 ms resident step", "1 replicas") in measured
     assert all(row["us_per_call"] > 0 for row in rows)
 
 

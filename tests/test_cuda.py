@@ -230,15 +230,22 @@ def test_collectives_wait_for_every_replicas_kernels(caller_stream: str) -> None
     torch.testing.assert_close(out["mean"], sum(s[0, :8] for s in shards) / 3 + 1)
 
 
-def test_resident_training_on_two_replicas_matches_one_device() -> None:
+@pytest.mark.parametrize("devices", [["cuda:0"], TWO_ON_ONE], ids=["one", "two_on_one"])
+def test_resident_training_matches_one_device(devices: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # The GPU benchmark's step (resident state, pmean of the gradients, SGD), against
-    # torch.optim on the whole batch on one device.
+    # torch.optim on the whole batch on one device. One replica runs it without the general
+    # scatter: every input is already on its GPU.
+    from fdp import _scatter
+
+    scattered: list[int] = []
+    scatter = _scatter.scatter_leaves
+    monkeypatch.setattr(_scatter, "scatter_leaves", lambda *a, **k: scattered.append(1) or scatter(*a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
     x, y = torch.randn(96, 64, device="cuda"), torch.randint(0, 10, (96,), device="cuda")
     opt = optim.sgd(0.1, momentum=0.9)
 
-    @fdp.pmap(axis_name="b", devices=TWO_ON_ONE, out_axes=fdp.PER_REPLICA)
+    @fdp.pmap(axis_name="b", devices=devices, out_axes=fdp.PER_REPLICA)
     def step(state, x, y):
         leaves = {k: v.requires_grad_() for k, v in state["params"].items()}
         loss = F.cross_entropy(fdp.functional_call(model, leaves, (x,)), y)
@@ -248,14 +255,15 @@ def test_resident_training_on_two_replicas_matches_one_device() -> None:
         return {"params": params, "opt": opt_state}
 
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, TWO_ON_ONE)
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, devices)
     reference = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(5):
         state = step(state, x, y)
         reference.zero_grad()
         F.cross_entropy(model(x), y).backward()
         reference.step()
-    for r in range(2):
+    assert len(scattered) == (0 if len(devices) == 1 else 5)
+    for r in range(len(devices)):
         for k, v in fdp.unreplicate(state["params"], r).items():
             torch.testing.assert_close(v, dict(model.named_parameters())[k].detach(), atol=1e-5, rtol=1e-4)
 

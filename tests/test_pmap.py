@@ -917,11 +917,26 @@ def test_dict_containers_are_each_calls_own_even_when_the_keys_repeat(n: int) ->
         assert type(out) is type(tree) and list(out) == list(tree)
         if isinstance(tree, collections.defaultdict):
             assert out.default_factory is tree.default_factory
-    # A number among the arguments: one replica's arguments go through the scatter after all.
+    # A number among the arguments.
     for tree in [{"a": x, "n": 3}, {"a": x, "n": 3}, collections.OrderedDict(n=3, a=x)]:
         seen.clear()
         mapped(tree)
         assert seen == [(type(tree), list(tree))] * n
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_output_rebuilt_after_one_returned_as_it_is_keeps_its_own_key_order(n: int) -> None:
+    # One replica's output is returned as it is where joining would change nothing, flattened
+    # along the last call's structure up to dict key orders. When a later output of the same
+    # keys must be rebuilt after all (0-dim leaves), it is rebuilt in its own order.
+    def f(tree, reduce):
+        return {k: v.sum() if reduce else v for k, v in tree.items()}
+
+    mapped = fdp.pmap(f, static_argnums=1, devices=cpus(n))
+    x = torch.arange(4.0)
+    assert list(mapped({"a": x, "b": x}, False)) == ["a", "b"]
+    out = mapped({"b": x, "a": 2 * x}, True)
+    assert list(out) == ["b", "a"] and out["a"].sum() == 12 and out["b"].sum() == 6
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -67,10 +68,71 @@ def test_state_needs_every_replica_to_run() -> None:
     fdp.pmap(lambda s, x: x, devices=cpus(8), split="balanced")(state, torch.zeros(10))
 
 
-def test_state_on_other_devices_is_an_error() -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_state_on_other_devices_is_an_error(n: int) -> None:
     state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(2))
-    with pytest.raises(ValueError, match="holds one value per replica"):
-        fdp.pmap(lambda s, x: x, devices=cpus(3))(state, torch.zeros(3))
+    with pytest.raises(ValueError, match=rf"holds one value per replica .* runs {n} replicas"):
+        fdp.pmap(lambda s, x: x, devices=cpus(n))(state, torch.zeros(3))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_resident_state_reaches_the_replicas_in_each_calls_containers(n: int) -> None:
+    # One replica takes resident state without the general scatter: its trees are rebuilt with
+    # each PerReplica's value, from each call's own structure (dict types and key orders), as
+    # several replicas' are; so are the PER_REPLICA outputs made from them.
+    state = fdp.device_put_replicated({"a": torch.zeros(2), "b": torch.ones(2)}, cpus(n))
+    seen: list[tuple[type, list[str], bool]] = []
+    lock = threading.Lock()
+
+    def f(s, x):
+        r = fdp.axis_index("i")
+        with lock:
+            seen.append((type(s), list(s), all(s[k] is state[k][r] for k in s)))
+        return s, x.sum()
+
+    mapped = fdp.pmap(f, axis_name="i", devices=cpus(n), out_axes=(fdp.PER_REPLICA, 0))
+    calls = [
+        dict(state),
+        dict(state),
+        {"b": state["b"], "a": state["a"]},
+        collections.OrderedDict(b=state["b"], a=state["a"]),
+        collections.defaultdict(list, a=state["a"], b=state["b"]),
+    ]
+    for tree in calls:
+        seen.clear()
+        out, sums = mapped(tree, torch.ones(2 * n))
+        assert seen == [(type(tree), list(tree), True)] * n
+        assert type(out) is type(tree) and list(out) == list(tree)
+        assert all(out[k][r] is state[k][r] for k in tree for r in range(n))  # passed through
+        assert sums.tolist() == [2.0] * n
+
+
+def test_one_replica_takes_resident_state_without_the_general_scatter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fdp import _scatter
+
+    scattered: list[int] = []
+    scatter = _scatter.scatter_leaves
+    monkeypatch.setattr(_scatter, "scatter_leaves", lambda *a, **k: scattered.append(1) or scatter(*a, **k))
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu"])
+    step = fdp.pmap(lambda s, x: {"w": s["w"] + x.sum()}, devices=["cpu"], out_axes=fdp.PER_REPLICA)
+    for _ in range(3):
+        state = step(state, torch.ones(4, 2))
+    assert scattered == [] and state["w"][0].tolist() == [25.0, 25.0]
+    step({**state, "n": 0}, torch.ones(4, 2))  # numbers reach the replica as they are
+    assert scattered == []
+    step({**state, "tag": object()}, torch.ones(4, 2))  # other objects: the general path
+    assert scattered == [1]
+
+
+def test_a_sparse_input_returned_per_replica_is_copied() -> None:
+    # Outputs are told apart from the inputs by their memory; a sparse tensor has no one
+    # storage to compare (torch raises for it), and is told apart by identity.
+    sparse = torch.ones(4, 2).to_sparse()
+    out = fdp.pmap(lambda x: (x, x * 2), devices=["cpu"], out_axes=fdp.PER_REPLICA)(sparse)
+    assert out[0][0] is not sparse and torch.equal(out[0][0].to_dense(), torch.ones(4, 2))
+    assert torch.equal(out[1][0].to_dense(), torch.full((4, 2), 2.0))
 
 
 def test_per_replica_repr_and_checks() -> None:
@@ -80,18 +142,20 @@ def test_per_replica_repr_and_checks() -> None:
         fdp.PerReplica([1, 2], [torch.device("cpu")])
 
 
-def test_per_replica_outputs_never_alias_inputs_or_each_other() -> None:
+@pytest.mark.parametrize("n", [1, 2])
+def test_per_replica_outputs_never_alias_inputs_or_each_other(n: int) -> None:
     w = torch.zeros(3)
-    step = fdp.pmap(lambda w, x: (w, x), in_axes=(None, 0), devices=cpus(2), out_axes=fdp.PER_REPLICA)
+    step = fdp.pmap(lambda w, x: (w, x), in_axes=(None, 0), devices=cpus(n), out_axes=fdp.PER_REPLICA)
     batch = torch.zeros(2, 3)
     state, shards = step(w, batch)
     state[0].add_(1)
-    shards[1].add_(5)
-    assert torch.equal(state[1], torch.zeros(3)) and torch.equal(w, torch.zeros(3))
-    assert torch.equal(batch, torch.zeros(2, 3))
+    shards[-1].add_(5)
+    assert torch.equal(state[-1], torch.ones(3) if n == 1 else torch.zeros(3))
+    assert torch.equal(w, torch.zeros(3)) and torch.equal(batch, torch.zeros(2, 3))
 
 
-def test_per_replica_pass_through_is_not_copied() -> None:
-    state = fdp.device_put_replicated({"w": torch.zeros(2)}, cpus(2))
-    new = fdp.pmap(lambda s, x: s, devices=cpus(2), out_axes=fdp.PER_REPLICA)(state, torch.zeros(2))
+@pytest.mark.parametrize("n", [1, 2])
+def test_per_replica_pass_through_is_not_copied(n: int) -> None:
+    state = fdp.device_put_replicated({"w": torch.zeros(2)}, cpus(n))
+    new = fdp.pmap(lambda s, x: s, devices=cpus(n), out_axes=fdp.PER_REPLICA)(state, torch.zeros(2))
     assert all(a is b for a, b in zip(new["w"], state["w"]))
