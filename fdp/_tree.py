@@ -223,7 +223,8 @@ def _tensor_nodes_registered() -> bool:
 
 
 def _register_new_node_types(leaves: Sequence[Any]) -> bool:
-    """Makes node types of the leaves that should be containers; True if any was new.
+    """Makes node types of the leaves that should be containers; True if the tree must be
+    flattened again (a type was new, or registered by another thread meanwhile).
 
     A leaf whose type a user registered with optree in another namespace gets that
     registration in fdp's; a plain dataclass gets :func:`_register_dataclass`'s.
@@ -236,10 +237,19 @@ def _register_new_node_types(leaves: Sequence[Any]) -> bool:
     new = False
     for leaf in leaves:
         cls = type(leaf)
-        if cls in _LEAF_TYPES or cls in _SEEN_LEAF_TYPES or cls in _REGISTERED:
+        if cls in _LEAF_TYPES or cls in _SEEN_LEAF_TYPES:
+            continue
+        if cls in _REGISTERED:
+            # A node type, yet a leaf here: registered by another thread after this tree was
+            # flattened (then flatten again), or unregistered by the user since (a leaf now).
+            if optree.register_pytree_node.get(cls, namespace=NAMESPACE) is not None:
+                new = True
             continue
         with _REGISTRY_LOCK:
-            if cls in _REGISTERED or cls in _SEEN_LEAF_TYPES:
+            if cls in _REGISTERED:  # by another thread, while this one waited for the lock
+                new = True
+                continue
+            if cls in _SEEN_LEAF_TYPES:
                 continue
             if isinstance(leaf, type):
                 _SEEN_LEAF_TYPES.add(cls)  # a class object (e.g. a dataclass type) is a value
