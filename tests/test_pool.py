@@ -75,8 +75,11 @@ def test_interrupt_while_waiting_keeps_the_other_replicas_errors() -> None:
     # cannot reach the test runner.
     script = textwrap.dedent(
         """
-        import _thread, threading, time, torch, fdp
+        import _thread, signal, threading, time, torch, fdp
 
+        # interrupt_main does nothing where SIGINT was ignored at start (a background job of a
+        # non-interactive shell): Python's handler is put back first.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         fdp._pool.INLINE_REPLICAS = False  # replica 1 runs on its worker
 
         def f(x):
