@@ -107,6 +107,10 @@ class DataParallel(nn.Module):
         # The user's inputs are the pmapped function's args[4] (positional) and args[5] (keyword).
         self._mapped.rename_paths = _user_paths
         self._placed: tuple[Any, Any] | None = None  # (key, PerReplica parameters)
+        # Whether a parameter already on the devices is handed to the replicas as it is: one
+        # device, or CPU replicas sharing it (no replica gets a view: see
+        # _transfer.alias_shared_leaves). In-place changes then reach the replicas by themselves.
+        self._shared_as_is = len(set(devices)) == 1 and (len(devices) == 1 or devices[0].type == "cpu")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         buffers = dict(self.module.named_buffers())
@@ -131,11 +135,17 @@ class DataParallel(nn.Module):
 
         The key holds every parameter's identity, version counter (bumped by optimizer steps and
         any in-place change), device and ``requires_grad``, and the grad mode (copies made under
-        ``no_grad`` carry no graph back to the parameters).
+        ``no_grad`` carry no graph back to the parameters). A parameter that the replicas get as
+        it is (see ``_shared_as_is``) needs no version: its changes are theirs already, and an
+        optimizer step does not make the call place the parameters again.
         """
+        home = self._devices[0] if self._shared_as_is else None
         key = (
             torch.is_grad_enabled(),
-            tuple((name, id(p), p._version, p.device, p.requires_grad) for name, p in params.items()),
+            tuple(
+                (name, id(p), None if p.device == home else p._version, p.device, p.requires_grad)
+                for name, p in params.items()
+            ),
         )
         if self._placed is not None and self._placed[0] == key:
             return self._placed[1]

@@ -132,7 +132,8 @@ def scatter_leaves(
     return Scattered(rows, run_on, sizes, shared)
 
 
-# Leaves that every replica gets as they are, mapped or not (a step count in resident state).
+# Leaves that every replica gets as they are, mapped or not (a step count in resident state),
+# told apart with one set lookup.
 _PLAIN_VALUES = frozenset({int, float, bool, complex, str, bytes})
 
 
@@ -142,12 +143,12 @@ def one_replica_row(
     """What one replica on ``device`` gets from ``leaves`` when scattering would hand it every
     tensor unchanged, or None when it would do more (a move, a split, an error to report).
 
-    Every tensor leaf must be on ``device``, and the mapped ones of a valid rank with one
-    non-empty batch size; the other leaves may be plain values (numbers, strings), which reach
-    the replica as they are, and :class:`~fdp.PerReplica` leaves, which give it their value
-    there. Returns ``leaves`` itself when nothing is to be replaced, else a new list with each
-    PerReplica's value. ``fdp.pmap`` then skips the general scatter; when None,
-    :func:`scatter_leaves` handles the input, errors included.
+    Every tensor leaf must be a plain tensor on ``device``, and the mapped ones of a valid rank
+    with one non-empty batch size; :class:`~fdp.PerReplica` leaves give the replica their value
+    there, and other objects (numbers, strings, a module) reach it as they are. Returns
+    ``leaves`` itself when nothing is to be replaced, else a new list with each PerReplica's
+    value. ``fdp.pmap`` then skips the general scatter; when None, :func:`scatter_leaves`
+    handles the input, errors included.
     """
     on_cpu = device == _devices.CPU
     if all_zero and on_cpu and _batch_along_0_on_cpu(leaves) is not None:  # the usual in_axes=0
@@ -168,9 +169,13 @@ def one_replica_row(
                 row = list(leaves)
             row[k] = leaf.values[0]
             continue
-        if kind in _PLAIN_VALUES:  # reaches the replica unchanged, whatever its axis
-            continue
-        if kind not in tensor_types or not (leaf.is_cpu if on_cpu else leaf.device == device):
+        if kind not in tensor_types:
+            if kind in _PLAIN_VALUES:  # reaches the replica unchanged, whatever its axis
+                continue
+            if isinstance(leaf, torch.Tensor) or (axis is not broadcast and _tree.unsplittable_reason(leaf)):
+                return None  # a tensor subclass, or an error to report
+            continue  # any other object reaches the replica unchanged too
+        if not (leaf.is_cpu if on_cpu else leaf.device == device):
             return None
         if axis is broadcast:
             continue

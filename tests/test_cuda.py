@@ -315,6 +315,37 @@ def test_data_parallel_on_two_replicas_of_one_gpu_matches_the_module() -> None:
         torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("devices", [["cuda:0"], TWO_ON_ONE], ids=["one", "two_on_one"])
+def test_data_parallel_training_steps_match_the_module(
+    devices: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One device hands the parameters to its replica as they are: placed once for all steps.
+    # Two replicas of one GPU give the second a view of each (see alias_shared_leaves), made
+    # again after each optimizer step.
+    from fdp import _data_parallel
+
+    placed: list[int] = []
+    replicate = _data_parallel._scatter.replicate
+    monkeypatch.setattr(
+        _data_parallel._scatter, "replicate", lambda *a, **k: placed.append(1) or replicate(*a, **k)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).cuda()
+    reference = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).cuda()
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(12, 8, device="cuda"), torch.randn(12, 4, device="cuda")
+    wrapped = fdp.DataParallel(model, device_ids=devices)
+    for net in (wrapped, reference):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+    assert len(placed) == (1 if len(devices) == 1 else 3)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_grad_of_psum_with_a_cpu_leaf_first_still_refuses_a_shared_gpu() -> None:
     # The engine runs this backward on cuda:0's thread (its first non-CPU gradient), which the
     # two replicas share: refused, not left waiting forever.

@@ -219,12 +219,15 @@ def test_no_replication_while_parameters_are_unchanged(monkeypatch: pytest.Monke
     assert len(calls) == 1
     model(x).sum().backward()
     assert len(calls) == 1
-    opt.step()  # bumps the parameters' versions
+    opt.step()  # changes the parameters in place, which the CPU replicas share: nothing to copy
     model(x)
-    assert len(calls) == 2
+    assert len(calls) == 1
     with torch.no_grad():  # copies made without a graph are kept apart from those with one
         model(x)
         model(x)
+    assert len(calls) == 2
+    model.module.weight = nn.Parameter(torch.zeros(3, 3))  # a new parameter is placed anew
+    torch.testing.assert_close(model(x), model.module(x))
     assert len(calls) == 3
 
 
@@ -259,6 +262,32 @@ def test_matches_one_device_for_a_training_step() -> None:
             F.mse_loss(model(x), y).backward()
             opt.step()
     for a, b in zip(net.parameters(), dp_net.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_one_device_matches_the_module_without_the_general_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One device with the inputs already there: the placed parameters, the module and the
+    # buffers reach the replica as they are, with no general scatter; BatchNorm's statistics
+    # still come back to the module.
+    scattered: list[int] = []
+    scatter = _data_parallel._pmap._scatter.scatter_leaves
+    monkeypatch.setattr(
+        _data_parallel._pmap._scatter,
+        "scatter_leaves",
+        lambda *a, **k: scattered.append(1) or scatter(*a, **k),
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    dp_net = fdp.DataParallel(copy.deepcopy(net), device_ids=["cpu"])
+    x, y = torch.randn(10, 6), torch.randn(10, 2)
+    for model in (net, dp_net):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert scattered == []
+    for a, b in zip(net.state_dict().values(), dp_net.module.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 

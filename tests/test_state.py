@@ -122,7 +122,13 @@ def test_one_replica_takes_resident_state_without_the_general_scatter(
     assert scattered == [] and state["w"][0].tolist() == [25.0, 25.0]
     step({**state, "n": 0}, torch.ones(4, 2))  # numbers reach the replica as they are
     assert scattered == []
-    step({**state, "tag": object()}, torch.ones(4, 2))  # other objects: the general path
+    step({**state, "tag": object()}, torch.ones(4, 2))  # and other objects
+    assert scattered == []
+
+    class Marked(torch.Tensor):
+        pass
+
+    step(state, torch.ones(4, 2).as_subclass(Marked))  # a tensor subclass: the general path
     assert scattered == [1]
 
 
