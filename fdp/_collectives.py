@@ -5,9 +5,10 @@ Every collective takes a pytree. Its tensor leaves are coalesced into one flat b
 (``_replica.CallGroup.exchange``), the last one to arrive combines the buffers for all of them
 (:class:`_Op` subclasses), and each replica unpacks its result. Sums over CPU replicas in one
 process are the exception: there each replica adds the (private) buffers itself after the
-exchange, in parallel with the others (``_Op.combine_each``); so is a lone replica's sum on
-any device, which is its private buffer. On CUDA the replicas' streams are ordered around the
-combine (``_streams``).
+exchange, in parallel with the others (``_Op.combine_each``). A lone replica in one process
+meets no one: its sum, mean, maximum or minimum is a private copy of its value, made at once
+(``_Op.keeps_lone_value``). On CUDA the replicas' streams are ordered around the combine
+(``_streams``).
 
 Differentiation, two ways:
 
@@ -285,7 +286,7 @@ class _Op:
         exchange returns, or ``None`` to have :meth:`combine` compute every result at once."""
         return None
 
-    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any) -> bool:
+    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
         """Whether the only replica of ``group`` (in this process) gets the value it passed,
         with nothing to exchange: then it gets a private copy of it at once."""
         return False
@@ -352,16 +353,19 @@ class _AllReduce(_Op):
         # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
         # megabyte gradient's sum and its copies for the others keep every replica waiting on
         # one thread; computed by each replica, they run in parallel and need no copies.
-        # A lone replica's result is its own (private) buffer on any device: no pass over it.
+        # (A lone replica's sum mostly never gets here: see keeps_lone_value.)
         if self.reduce != "sum" or group.distributed:
             return False
         return group.size == 1 or all(d.type == "cpu" for d in group.devices)
 
-    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any) -> bool:
+    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
         # The sum, mean, maximum or minimum of one value is that value; so is its weighted
         # mean, w * x / w, for a positive finite weight (w / w is exactly 1.0). A weight of 0
-        # takes the exchange, which reports it.
+        # takes the exchange, which reports it; so do complex values under pmax/pmin, which
+        # torch cannot order (an error on one replica as on several).
         if group.distributed:
+            return False
+        if self.reduce != "sum" and any(dtype.is_complex for _, dtype in packed.keys):
             return False
         return self.scaling in ("none", "mean") or 0.0 < extra < math.inf
 
@@ -695,7 +699,7 @@ def _run(
     packed = _Packed(tree, op.name, context.device, numbers)
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
-    if context.group.size == 1 and op.keeps_lone_value(context.group, extra):
+    if context.group.size == 1 and op.keeps_lone_value(context.group, extra, packed):
         # The only replica: its result is its own value, in memory of its own; no exchange.
         results = packed.private_buffers()
     elif op.defers(context.group):

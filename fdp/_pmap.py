@@ -3,9 +3,9 @@
 A call goes: check the call site (not inside a replica, not under a torch.func transform) ->
 flatten the arguments with optree -> per-leaf axes from ``in_axes`` (cached per tree structure)
 -> scatter (``_scatter``) -> run one replica per shard on the pool (``_pool``) -> gather
-(``_gather``). One CPU replica whose inputs need no scattering skips the scatter and the pool's
-general path (``_pool.LoneReplica``). Each of those steps lives in its own module; this one only
-wires them together.
+(``_gather``). One replica (on the CPU or one GPU) whose inputs need no scattering skips the
+scatter and the pool's general path (``_pool.LoneReplica``). Each of those steps lives in its
+own module; this one only wires them together.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ class Pmapped(Generic[P, R]):
         self.out_axes = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
         self._lone: _pool.LoneReplica | None = None  # with the devices: one replica's runner
-        # Whether the last call's lone replica got rebuilt trees (resident state), which need
-        # the arguments' exact structure: the next call then flattens exactly from the start.
-        self._lone_rebuilds = False
+        # Whether the last call's lone replica needed the arguments' exact structure (trees
+        # rebuilt with resident values, or the general path): the next call then flattens
+        # exactly from the start, not along the last structure first.
+        self._lone_exact = False
         self.axis_name = axis_name
         self.split = _split.check_split(split, what=f"{what} split")
         self._devices_arg = (
@@ -183,9 +184,7 @@ class Pmapped(Generic[P, R]):
         lone = self._lone
         # A lone replica takes the argument trees as they are, with nothing rebuilt from their
         # structure, which may then be matched loosely (see _tree.LastStructure).
-        leaves, treespec, plan, exact = self._arguments(
-            parts, roots, exact=lone is None or self._lone_rebuilds
-        )
+        leaves, treespec, plan, exact = self._arguments(parts, roots, exact=lone is None or self._lone_exact)
         row = None
         if lone is not None:
             row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
@@ -194,7 +193,7 @@ class Pmapped(Generic[P, R]):
                 # exact structure (a loose match may hold another call's containers).
                 leaves, treespec, plan, exact = self._arguments(parts, roots, exact=True)
                 row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
-            self._lone_rebuilds = row is not None and row is not leaves
+            self._lone_exact = row is not leaves
         if lone is not None and row is not None:
             # One replica that scattering would hand every tensor unchanged: it runs on the
             # argument trees as they are (or rebuilt with the resident values), with no general

@@ -163,7 +163,7 @@ def one_replica_row(
     for k, (leaf, axis) in enumerate(zip(leaves, axes)):
         kind = type(leaf)
         if kind is per_replica:  # resident state: the replica's own value, where it lives
-            if leaf.devices[0] != device or not (len(leaf.values) == 1 or leaf.prefix_ok):
+            if not (len(leaf.values) == 1 or (leaf.prefix_ok and leaf.values)) or leaf.devices[0] != device:
                 return None
             if row is None:
                 row = list(leaves)

@@ -693,6 +693,15 @@ def test_one_replica_gets_its_value_in_memory_of_its_own(reduce: Any, tree: str)
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_complex_maximum_is_refused_on_one_replica_as_on_several(n: int) -> None:
+    # torch cannot order complex numbers: one replica must not hand the value back where two
+    # would fail.
+    f = fdp.pmap(lambda x: fdp.pmax(x.to(torch.complex64), "i"), axis_name="i", devices=cpus(n))
+    with pytest.raises(RuntimeError, match="ComplexFloat"):
+        f(torch.arange(4.0))
+
+
 def test_one_replica_reduces_without_an_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
     # Nothing to meet: the lone replica's reductions skip the exchange (a step's worth of
     # Python on the one-replica path); other collectives still take it.

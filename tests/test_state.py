@@ -73,6 +73,9 @@ def test_state_on_other_devices_is_an_error(n: int) -> None:
     state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(2))
     with pytest.raises(ValueError, match=rf"holds one value per replica .* runs {n} replicas"):
         fdp.pmap(lambda s, x: x, devices=cpus(n))(state, torch.zeros(3))
+    empty = fdp.PerReplica([], [])
+    with pytest.raises(ValueError, match=r"args\[0\] holds one value per replica on \[\]"):
+        fdp.pmap(lambda s, x: x, devices=cpus(n))(empty, torch.zeros(3))
 
 
 @pytest.mark.parametrize("n", [1, 2])
