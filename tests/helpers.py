@@ -59,3 +59,12 @@ def finishes(call: Callable[[], Any], seconds: float = 20.0) -> Any:
     if not ok:
         raise value
     return value
+
+
+def sgd_steps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> None:
+    """``steps`` steps of ``torch.optim.SGD`` (lr 0.1) on the mean squared error of ``model(x)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finishes
+from helpers import finishes, sgd_steps
 from torch import nn
 
 import fdp
@@ -336,11 +336,7 @@ def test_data_parallel_training_steps_match_the_module(
     x, y = torch.randn(12, 8, device="cuda"), torch.randn(12, 4, device="cuda")
     wrapped = fdp.DataParallel(model, device_ids=devices)
     for net in (wrapped, reference):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        for _ in range(3):
-            opt.zero_grad()
-            F.mse_loss(net(x), y).backward()
-            opt.step()
+        sgd_steps(net, x, y)
     assert len(placed) == (1 if len(devices) == 1 else 3)
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

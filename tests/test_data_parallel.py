@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpus
+from helpers import cpus, sgd_steps
 from torch import nn
 
 import fdp
@@ -256,11 +256,7 @@ def test_matches_one_device_for_a_training_step() -> None:
     dp_net = fdp.DataParallel(copy.deepcopy(net), device_ids=cpus(3))
     x, y = torch.randn(10, 6), torch.randn(10, 2)
     for model in (net, dp_net):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+        sgd_steps(model, x, y)
     for a, b in zip(net.parameters(), dp_net.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -281,11 +277,7 @@ def test_one_device_matches_the_module_without_the_general_scatter(monkeypatch: 
     dp_net = fdp.DataParallel(copy.deepcopy(net), device_ids=["cpu"])
     x, y = torch.randn(10, 6), torch.randn(10, 2)
     for model in (net, dp_net):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+        sgd_steps(model, x, y)
     assert scattered == []
     for a, b in zip(net.state_dict().values(), dp_net.module.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
