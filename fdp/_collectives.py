@@ -353,10 +353,9 @@ class _AllReduce(_Op):
         # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
         # megabyte gradient's sum and its copies for the others keep every replica waiting on
         # one thread; computed by each replica, they run in parallel and need no copies.
-        # (A lone replica's sum mostly never gets here: see keeps_lone_value.)
-        if self.reduce != "sum" or group.distributed:
-            return False
-        return group.size == 1 or all(d.type == "cpu" for d in group.devices)
+        # (A lone replica's sum gets here only with a weight of 0 or infinity: see
+        # keeps_lone_value.)
+        return self.reduce == "sum" and not group.distributed and all(d.type == "cpu" for d in group.devices)
 
     def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
         # The sum, mean, maximum or minimum of one value is that value; so is its weighted
@@ -374,9 +373,6 @@ class _AllReduce(_Op):
     ) -> Callable[[int], torch.Tensor] | None:
         weight_sum = self._weight_sum(extras, group)  # checked once, in the last replica
         scaling, size = self.scaling, len(buffers)
-        if size == 1 and (scaling in ("none", "mean") or extras[0] / weight_sum == 1.0):
-            # One replica: the result has the value of its buffer, a private one: no copy.
-            return lambda r: buffers[0]
         if any(b.device.type != "cpu" for b in buffers):
             # CUDA tensors (in CPU replicas): combine, whose streams wait for every replica's.
             return None
