@@ -6,9 +6,10 @@ Every collective takes a pytree. Its tensor leaves are coalesced into one flat b
 (:class:`_Op` subclasses), and each replica unpacks its result. Sums over CPU replicas in one
 process are the exception: there each replica adds the (private) buffers itself after the
 exchange, in parallel with the others (``_Op.combine_each``). A lone replica in one process
-meets no one: its sum, mean, maximum or minimum is a private copy of its value, copy-on-write
-on the CPU, with nothing packed (``_Op.keeps_lone_value``, ``_private_copy``). On CUDA the
-replicas' streams are ordered around the combine (``_streams``).
+meets no one: its sum, mean, maximum or minimum is a private copy of its value, made at once
+(``_Op.keeps_lone_value``, ``_Packed.private_leaves``): copy-on-write clones of CPU tensors
+where torch can make them, the rest copied. On CUDA the replicas' streams are ordered around
+the combine (``_streams``).
 
 Differentiation, two ways:
 
@@ -197,10 +198,23 @@ class _Packed:
         return [b.clone() if aliased else b for b, aliased in zip(buffers, self.aliased)]
 
     def private_leaves(self) -> list[Any]:
-        """The leaves, each in memory of its own (see :func:`_private_copy`): a lone replica's
-        sum, mean, maximum or minimum, with nothing packed, copied or unpacked."""
+        """The leaves, each in memory of its own: a lone replica's sum, mean, maximum or
+        minimum. Copy-on-write clones where they can be made (:func:`_copy_on_write`); the
+        other tensors copied at once (:func:`_copied`)."""
+        out = list(self.leaves)
         fresh = self.fresh
-        return [t if k in fresh else _private_copy(t) for k, t in enumerate(self.leaves)]
+        rest = []
+        for k, t in enumerate(self.leaves):
+            if k not in fresh:
+                clone = _copy_on_write(t)
+                if clone is None:
+                    rest.append(k)
+                else:
+                    out[k] = clone
+        if rest:
+            for k, copy in zip(rest, _copied([self.leaves[k] for k in rest])):
+                out[k] = copy
+        return out
 
     def unpack(self, buffers: Sequence[torch.Tensor], leaf_result: Any = None) -> Any:
         """The tree rebuilt from result buffers laid out like this one's (packed: see
@@ -228,16 +242,16 @@ class _Packed:
 _lazy_clone = getattr(torch, "_lazy_clone", None)
 
 
-def _private_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` that shares no memory with it, laid out contiguously (as the results
-    unpacked from a flat buffer are).
+def _copy_on_write(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy-on-write clone of ``t`` (``torch._lazy_clone``), or None where none is made.
 
-    A plain CPU tensor that fills its storage exactly gets a copy-on-write clone
-    (``torch._lazy_clone``): its data is copied only if ``t`` or the clone is written to later,
-    which a reduced gradient, read once by an optimizer, never is. A tensor that is part of a
-    larger storage would keep all of it alive in such a clone (and copy all of it on a write),
-    and other tensors (CUDA, subclasses, sparse ones, storages torch cannot share, such as a
-    NumPy array's) are copied at once.
+    The clone's data is copied only if ``t`` or the clone is written to later, which a reduced
+    gradient, read once by an optimizer, never is. Made for a plain CPU tensor that fills its
+    storage exactly: of a tensor that is part of a larger storage, it would keep all of it alive
+    (and copy all of it on a write); other layouts would come back other than contiguous; and
+    torch cannot share some storages (a NumPy array's, shared memory). CUDA tensors are left to
+    :func:`_copied` too: there one copy per device and dtype costs the host less than a clone
+    per tensor, and they were never tried.
     """
     if (
         _lazy_clone is not None
@@ -251,8 +265,30 @@ def _private_copy(t: torch.Tensor) -> torch.Tensor:
         try:
             return _lazy_clone(t)
         except RuntimeError:  # a storage with a deleter of its own (NumPy's, shared memory)
-            pass
-    return t.clone(memory_format=torch.contiguous_format)
+            return None
+    return None
+
+
+def _copied(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` that share no memory with them, laid out contiguously (as results
+    unpacked from a flat buffer are): those of one device and dtype packed into one new buffer
+    and handed out as views of it, one copy and one kernel rather than one per tensor."""
+    out: list[Any] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        else:  # cloned: unflatten_dense_tensors would give it a new tensor, with no history
+            out[i] = t.clone()
+    for members in groups.values():
+        group = [tensors[i] for i in members]
+        if len(group) == 1:
+            copies = [group[0].clone(memory_format=torch.contiguous_format)]
+        else:
+            copies = _unflatten_dense(_flatten_dense(group), group)
+        for i, copy in zip(members, copies):
+            out[i] = copy
+    return out
 
 
 def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:

@@ -735,6 +735,23 @@ def test_one_replica_copies_other_tensors_at_once_and_contiguously() -> None:
     assert torch.equal(base, before) and torch.equal(shared, before)
 
 
+def test_tensors_copied_at_once_are_copied_in_one_pass_per_dtype() -> None:
+    # Where no copy-on-write clone is made (CUDA tensors, slices), a lone replica's reduction
+    # copies the tensors of one device and dtype together, into one buffer: one kernel on a GPU
+    # rather than one per tensor. Empty tensors are cloned, to keep their autograd history.
+    base = torch.randn(5, 4, requires_grad=True)
+    tensors = [base[1:3], base.t(), base[0], torch.arange(3), base[:0]]
+    copies = _collectives._copied(tensors)
+    for original, copy in zip(tensors, copies):
+        assert torch.equal(copy, original) and copy.is_contiguous() and copy.dtype == original.dtype
+    storages = {c.untyped_storage().data_ptr() for c in copies[:3]}
+    assert len(storages) == 1 and base.untyped_storage().data_ptr() not in storages
+    sum(c.sum() for c in copies if c.is_floating_point()).backward()
+    expected = torch.ones(5, 4)  # every element once, through the transpose
+    expected[:3] += 1  # rows 0, 1 and 2 once more, through the slices
+    assert torch.equal(base.grad, expected) and copies[4].grad_fn is not None
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_complex_maximum_is_refused_on_one_replica_as_on_several(n: int) -> None:
     # torch cannot order complex numbers: one replica must not hand the value back where two
