@@ -28,6 +28,7 @@ Differentiation, two ways:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -204,13 +205,14 @@ class _Packed:
         out = list(self.leaves)
         fresh = self.fresh
         rest = []
-        for k, t in enumerate(self.leaves):
-            if k not in fresh:
-                clone = _copy_on_write(t)
-                if clone is None:
-                    rest.append(k)
-                else:
-                    out[k] = clone
+        with _COPY_ON_WRITE:
+            for k, t in enumerate(self.leaves):
+                if k not in fresh:
+                    clone = _copy_on_write(t)
+                    if clone is None:
+                        rest.append(k)
+                    else:
+                        out[k] = clone
         if rest:
             for k, copy in zip(rest, _copied([self.leaves[k] for k in rest])):
                 out[k] = copy
@@ -240,10 +242,15 @@ class _Packed:
 
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)
+# torch turns a tensor's storage into a copy-on-write one at its first lazy clone, and two
+# threads doing that to one storage at once race (one gets an error, or worse): fdp's lazy
+# clones, the only ones made in practice, take turns.
+_COPY_ON_WRITE = threading.Lock()
 
 
 def _copy_on_write(t: torch.Tensor) -> torch.Tensor | None:
-    """A copy-on-write clone of ``t`` (``torch._lazy_clone``), or None where none is made.
+    """A copy-on-write clone of ``t`` (``torch._lazy_clone``), or None where none is made;
+    called holding ``_COPY_ON_WRITE``.
 
     The clone's data is copied only if ``t`` or the clone is written to later, which a reduced
     gradient, read once by an optimizer, never is. Made for a plain CPU tensor that fills its
