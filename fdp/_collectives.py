@@ -7,9 +7,8 @@ Every collective takes a pytree. Its tensor leaves are coalesced into one flat b
 process are the exception: there each replica adds the (private) buffers itself after the
 exchange, in parallel with the others (``_Op.combine_each``). A lone replica in one process
 meets no one: its sum, mean, maximum or minimum is a private copy of its value, made at once
-(``_Op.keeps_lone_value``, ``_Packed.private_leaves``): copy-on-write clones of CPU tensors
-where torch can make them, the rest copied. On CUDA the replicas' streams are ordered around
-the combine (``_streams``).
+(``_Op.keeps_lone_value``, ``_Packed.private_leaves``). On CUDA the replicas' streams are
+ordered around the combine (``_streams``).
 
 Differentiation, two ways:
 
@@ -28,7 +27,6 @@ Differentiation, two ways:
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -199,23 +197,13 @@ class _Packed:
         return [b.clone() if aliased else b for b, aliased in zip(buffers, self.aliased)]
 
     def private_leaves(self) -> list[Any]:
-        """The leaves, each in memory of its own: a lone replica's sum, mean, maximum or
-        minimum. Copy-on-write clones where they can be made (:func:`_copy_on_write`); the
-        other tensors copied at once (:func:`_copied`)."""
+        """The leaves, each in memory of its own (:func:`_copied`; the ones made here are
+        already): a lone replica's sum, mean, maximum or minimum."""
         out = list(self.leaves)
         fresh = self.fresh
-        rest = []
-        with _COPY_ON_WRITE:
-            for k, t in enumerate(self.leaves):
-                if k not in fresh:
-                    clone = _copy_on_write(t)
-                    if clone is None:
-                        rest.append(k)
-                    else:
-                        out[k] = clone
-        if rest:
-            for k, copy in zip(rest, _copied([self.leaves[k] for k in rest])):
-                out[k] = copy
+        copied = [k for k in range(len(out)) if k not in fresh]
+        for k, copy in zip(copied, _copied([out[k] for k in copied])):
+            out[k] = copy
         return out
 
     def unpack(self, buffers: Sequence[torch.Tensor], leaf_result: Any = None) -> Any:
@@ -241,41 +229,6 @@ class _Packed:
         return _tree.unflatten(self.treespec, out)
 
 
-_lazy_clone = getattr(torch, "_lazy_clone", None)
-# torch turns a tensor's storage into a copy-on-write one at its first lazy clone, and two
-# threads doing that to one storage at once race (one gets an error, or worse): fdp's lazy
-# clones, the only ones made in practice, take turns.
-_COPY_ON_WRITE = threading.Lock()
-
-
-def _copy_on_write(t: torch.Tensor) -> torch.Tensor | None:
-    """A copy-on-write clone of ``t`` (``torch._lazy_clone``), or None where none is made;
-    called holding ``_COPY_ON_WRITE``.
-
-    The clone's data is copied only if ``t`` or the clone is written to later, which a reduced
-    gradient, read once by an optimizer, never is. Made for a plain CPU tensor that fills its
-    storage exactly: of a tensor that is part of a larger storage, it would keep all of it alive
-    (and copy all of it on a write); other layouts would come back other than contiguous; and
-    torch cannot share some storages (a NumPy array's, shared memory). CUDA tensors are left to
-    :func:`_copied` too: there one copy per device and dtype costs the host less than a clone
-    per tensor, and they were never tried.
-    """
-    if (
-        _lazy_clone is not None
-        and type(t) is torch.Tensor
-        and t.is_cpu
-        and t.layout == torch.strided
-        and t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    ):
-        try:
-            return _lazy_clone(t)
-        except RuntimeError:  # a storage with a deleter of its own (NumPy's, shared memory)
-            return None
-    return None
-
-
 def _copied(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` that share no memory with them, laid out contiguously (as results
     unpacked from a flat buffer are): those of one device and dtype packed into one new buffer
@@ -289,8 +242,8 @@ def _copied(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             out[i] = t.clone()
     for members in groups.values():
         group = [tensors[i] for i in members]
-        if len(group) == 1:
-            copies = [group[0].clone(memory_format=torch.contiguous_format)]
+        if len(group) == 1:  # through a flat copy, as packing does: the same errors as there
+            copies = [group[0].reshape(-1).clone().view(group[0].shape)]
         else:
             copies = _unflatten_dense(_flatten_dense(group), group)
         for i, copy in zip(members, copies):
