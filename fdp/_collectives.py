@@ -7,8 +7,8 @@ Every collective takes a pytree. Its tensor leaves are coalesced into one flat b
 process are the exception: there each replica adds the (private) buffers itself after the
 exchange, in parallel with the others (``_Op.combine_each``). A lone replica in one process
 meets no one: its sum, mean, maximum or minimum is a private copy of its value, made at once
-(``_Op.keeps_lone_value``, ``_Packed.private_leaves``). On CUDA the replicas' streams are
-ordered around the combine (``_streams``).
+(``_Op.keeps_lone_value``). On CUDA the replicas' streams are ordered around the combine
+(``_streams``).
 
 Differentiation, two ways:
 
@@ -101,8 +101,7 @@ _unflatten_dense = torch._C._nn.unflatten_dense_tensors
 
 
 class _Packed:
-    """A tree's tensor leaves, checked, and as one flat buffer per (device, dtype) once an
-    exchange needs them (:attr:`buffers`).
+    """A tree's tensor leaves as one flat buffer per (device, dtype).
 
     Numbers become 0-dim tensors on ``device``. ``numbers`` says how the reduction takes them
     (one pass over the leaves does it, rather than a tree map before packing): ``"as_is"``;
@@ -111,14 +110,15 @@ class _Packed:
     tensor that is not floating-point or complex is an error).
     """
 
-    __slots__ = ("tree", "treespec", "leaves", "fresh", "_buffers", "members", "slots", "aliased", "whole")
+    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "whole")
 
     def __init__(self, tree: Any, caller: str, device: torch.device, numbers: str = "as_is") -> None:
         leaves, treespec = _tree.flatten(tree)
+        untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
         self.treespec = treespec
         self.leaves = list(leaves)
-        fresh: set[int] = set()  # leaves made here (from numbers, or counted bools): private
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):
                 if numbers == "float" and not (leaf.is_floating_point() or leaf.is_complex()):
@@ -128,58 +128,42 @@ class _Packed:
                     )
                 if numbers == "count" and leaf.dtype == torch.bool:
                     leaf = self.leaves[k] = leaf.to(torch.int64)
-                    fresh.add(k)
             elif isinstance(leaf, bool | int | float):
                 if numbers == "float":
                     leaf = float(leaf)
                 elif numbers == "count" and isinstance(leaf, bool):
                     leaf = int(leaf)
                 leaf = self.leaves[k] = torch.as_tensor(leaf, device=device)
-                fresh.add(k)
             else:
                 raise TypeError(
                     f"{caller} takes trees of tensors (and numbers), but {self._path(k)} is a "
                     f"{type(leaf).__name__}: {leaf!r}"
                 )
-        self.fresh = fresh
-        self._buffers: list[torch.Tensor] | None = None  # packed on first use: see buffers
-
-    @property
-    def buffers(self) -> list[torch.Tensor]:
-        """One flat buffer per (device, dtype), packed on first use (a lone replica's reduction
-        never packs: see :meth:`private_leaves`)."""
-        if self._buffers is None:
-            self._pack()
-        return self._buffers  # type: ignore[return-value]
-
-    def _pack(self) -> None:
-        untransformed = torch._C._functorch.peek_interpreter_stack() is None
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for k, leaf in enumerate(self.leaves):
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
+        self.keys = list(groups)
         self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
         self.slots: dict[int, tuple[int, int, int]] = {}
-        self._buffers = []
+        self.buffers: list[torch.Tensor] = []
         self.aliased: list[bool] = []  # buffer b may share memory with the leaf it holds
         # Whether buffer b holds no empty leaf: unflatten_dense_tensors gives an empty leaf a
         # new tensor, not a view of the buffer, which would cut it from autograd.
         self.whole: list[bool] = []
-        for members in self.members:
+        for b, members in enumerate(self.members):
             offset = 0
             for k in members:
                 numel = self.leaves[k].numel()
-                self.slots[k] = (len(self._buffers), offset, numel)
+                self.slots[k] = (b, offset, numel)
                 offset += numel
             self.whole.append(all([self.slots[k][2] for k in members]))
             if len(members) == 1:
-                self._buffers.append(self.leaves[members[0]].reshape(-1))
+                self.buffers.append(self.leaves[members[0]].reshape(-1))
             elif untransformed:
                 # One call, one release of the GIL: a reshape and a cat per leaf cost a GIL
                 # hand-over each while another replica runs Python beside this one.
-                self._buffers.append(_flatten_dense([self.leaves[k] for k in members]))
+                self.buffers.append(_flatten_dense([self.leaves[k] for k in members]))
             else:  # torch.func's transforms have no rule for flatten_dense_tensors
-                self._buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
+                self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
             self.aliased.append(len(members) == 1)
 
     def _path(self, k: int) -> str:
@@ -193,22 +177,10 @@ class _Packed:
     def private_buffers(self) -> list[torch.Tensor]:
         """The buffers, none sharing memory with a leaf: for replicas that read each other's
         buffers after the exchange, when the owner may already be changing its leaves."""
-        buffers = self.buffers  # packs, and sets aliased
-        return [b.clone() if aliased else b for b, aliased in zip(buffers, self.aliased)]
-
-    def private_leaves(self) -> list[Any]:
-        """The leaves, each in memory of its own (:func:`_copied`; the ones made here are
-        already): a lone replica's sum, mean, maximum or minimum."""
-        out = list(self.leaves)
-        fresh = self.fresh
-        copied = [k for k in range(len(out)) if k not in fresh]
-        for k, copy in zip(copied, _copied([out[k] for k in copied])):
-            out[k] = copy
-        return out
+        return [b.clone() if aliased else b for b, aliased in zip(self.buffers, self.aliased)]
 
     def unpack(self, buffers: Sequence[torch.Tensor], leaf_result: Any = None) -> Any:
-        """The tree rebuilt from result buffers laid out like this one's (packed: see
-        :attr:`buffers`).
+        """The tree rebuilt from result buffers laid out like this one's.
 
         ``leaf_result(leaf, piece)`` turns each leaf's flat piece into its result (default: the
         piece in the leaf's shape).
@@ -224,31 +196,8 @@ class _Packed:
             for k in members:
                 _, offset, numel = self.slots[k]
                 piece = buffers[b].narrow(-1, offset, numel)
-                leaf = self.leaves[k]
-                out[k] = piece.reshape(leaf.shape) if leaf_result is None else leaf_result(leaf, piece)
+                out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
         return _tree.unflatten(self.treespec, out)
-
-
-def _copied(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` that share no memory with them, laid out contiguously (as results
-    unpacked from a flat buffer are): those of one device and dtype packed into one new buffer
-    and handed out as views of it, one copy and one kernel rather than one per tensor."""
-    out: list[Any] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        else:  # cloned: unflatten_dense_tensors would give it a new tensor, with no history
-            out[i] = t.clone()
-    for members in groups.values():
-        group = [tensors[i] for i in members]
-        if len(group) == 1:  # through a flat copy, as packing does: the same errors as there
-            copies = [group[0].reshape(-1).clone().view(group[0].shape)]
-        else:
-            copies = _unflatten_dense(_flatten_dense(group), group)
-        for i, copy in zip(members, copies):
-            out[i] = copy
-    return out
 
 
 def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
@@ -415,7 +364,7 @@ class _AllReduce(_Op):
         # torch cannot order (an error on one replica as on several).
         if group.distributed:
             return False
-        if self.reduce != "sum" and any(t.is_complex() for t in packed.leaves):
+        if self.reduce != "sum" and any(dtype.is_complex for _, dtype in packed.keys):
             return False
         return self.scaling in ("none", "mean") or 0.0 < extra < math.inf
 
@@ -738,43 +687,30 @@ def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
 
 
 def _run(
-    op: _Op,
-    tree: Any,
-    axis_name: Hashable,
-    extra: Any = None,
-    *,
-    numbers: str = "as_is",
-    leaf_result: Any = None,
-) -> Any:
-    """Runs ``op`` on ``tree`` (``numbers``: see :class:`_Packed`), in the mode that fits how the
-    replica differentiates, and returns this replica's result tree (``leaf_result``: see
-    :meth:`_Packed.unpack`)."""
+    op: _Op, tree: Any, axis_name: Hashable, extra: Any = None, *, numbers: str = "as_is"
+) -> tuple[_Packed, list[torch.Tensor]]:
+    """Packs ``tree`` (``numbers``: see :class:`_Packed`) and runs ``op`` in the mode that fits
+    how the replica differentiates."""
     context = _bound(axis_name, op.name)
     packed = _Packed(tree, op.name, context.device, numbers)
     if torch._C._functorch.peek_interpreter_stack() is not None:
-        return packed.unpack(_Spmd.apply(op, context, extra, packed, *packed.buffers), leaf_result)
+        return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
     if context.group.size == 1 and op.keeps_lone_value(context.group, extra, packed):
         # The only replica: its result is its own value, in memory of its own; no exchange.
-        leaves = packed.private_leaves()
-        _refuse_backward_before_return(leaves, context.group, op.name)
-        return _tree.unflatten(packed.treespec, leaves)
-    if op.defers(context.group):
+        results = packed.private_buffers()
+    elif op.defers(context.group):
         results = _exchange(op, context, packed.private_buffers(), extra, packed, defer=True)
     else:
         results = _exchange(op, context, packed.buffers, extra, packed)
-    _refuse_backward_before_return(results, context.group, op.name)
-    return packed.unpack(results, leaf_result)
-
-
-def _refuse_backward_before_return(results: Sequence[Any], group: _replica.CallGroup, name: str) -> None:
-    """The results' graph spans every replica and is complete only when the call returns: a
-    backward through them from inside the replica must not start early. The hook sits on the
-    results' own nodes, which in-place ops on the results leave in place upstream."""
+    # The results' graph spans every replica and is complete only when the call returns: a
+    # backward through them from inside the replica must not start early. The hook sits on the
+    # results' own nodes, which in-place ops on the results leave in place upstream.
     hook = None
     for r in results:
-        if isinstance(r, torch.Tensor) and r.grad_fn is not None:
-            hook = hook or _refuse_inner_backward(group, name)
+        if r.grad_fn is not None:
+            hook = hook or _refuse_inner_backward(context.group, op.name)
             r.grad_fn.register_prehook(hook)
+    return packed, results
 
 
 # --- the public collectives --------------------------------------------------------------------
@@ -805,7 +741,8 @@ def psum(x: Any, axis_name: Hashable) -> Any:
         >>> f(torch.arange(4.0))
         tensor([-6., -5., -4., -3.])
     """
-    return _run(_AllReduce("sum"), x, axis_name, numbers="count")
+    packed, results = _run(_AllReduce("sum"), x, axis_name, numbers="count")
+    return packed.unpack(results)
 
 
 @eager_under_compile
@@ -836,11 +773,13 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         tensor(2.)
     """
     if weight is None:
-        return _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float")
+        packed, results = _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float")
+        return packed.unpack(results)
     value = float(weight)
     if not value >= 0:
         raise ValueError(f"fdp.pmean: weight must be a non-negative number, got {weight!r}")
-    return _run(_AllReduce("sum", "weighted_in"), x, axis_name, value, numbers="float")
+    packed, results = _run(_AllReduce("sum", "weighted_in"), x, axis_name, value, numbers="float")
+    return packed.unpack(results)
 
 
 @eager_under_compile
@@ -853,7 +792,8 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
         >>> largest(torch.tensor([3.0, 1.0, 2.0]))
         tensor([3., 3., 3.])
     """
-    return _run(_AllReduce("max"), x, axis_name)
+    packed, results = _run(_AllReduce("max"), x, axis_name)
+    return packed.unpack(results)
 
 
 @eager_under_compile
@@ -866,7 +806,8 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
         >>> smallest(torch.tensor([3.0, 1.0, 2.0]))
         tensor([1., 1., 1.])
     """
-    return _run(_AllReduce("min"), x, axis_name)
+    packed, results = _run(_AllReduce("min"), x, axis_name)
+    return packed.unpack(results)
 
 
 @eager_under_compile
@@ -896,7 +837,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     context = _bound(axis_name, caller)
     n = context.group.global_size
 
-    def check_dim(leaf: torch.Tensor) -> int:
+    def check_dim(k: int, leaf: torch.Tensor) -> int:
         rank = leaf.dim() if tiled else leaf.dim() + 1
         if not -rank <= dim < rank or (tiled and leaf.dim() == 0):
             raise ValueError(
@@ -905,12 +846,15 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
             )
         return dim % rank
 
-    def leaf_result(leaf: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-        d = check_dim(leaf)
+    packed, results = _run(_AllGather(), x, axis_name)
+
+    def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
+        leaf = packed.leaves[k]
+        d = check_dim(k, leaf)
         stacked = piece.reshape(n, *leaf.shape).movedim(0, d)
         return stacked.flatten(d, d + 1) if tiled else stacked
 
-    return _run(_AllGather(), x, axis_name, leaf_result=leaf_result)
+    return packed.unpack(results, leaf_result)
 
 
 @eager_under_compile
@@ -946,4 +890,5 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
                 f"{caller}: perm {list(pairs)} names replica {index}, but {size} replicas run "
                 f"along axis {axis_name!r} (the batch may have fewer shards than devices)"
             )
-    return _run(_Permute(pairs), x, axis_name)
+    packed, results = _run(_Permute(pairs), x, axis_name)
+    return packed.unpack(results)

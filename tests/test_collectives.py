@@ -729,17 +729,23 @@ def test_one_replica_copies_are_contiguous_as_on_several() -> None:
     assert torch.equal(base, before)
 
 
-def test_tensors_copied_at_once_are_copied_in_one_pass_per_dtype() -> None:
-    # Where no copy-on-write clone is made (CUDA tensors, slices), a lone replica's reduction
-    # copies the tensors of one device and dtype together, into one buffer: one kernel on a GPU
-    # rather than one per tensor. Empty tensors are cloned, to keep their autograd history.
+def test_one_replica_copies_in_one_pass_per_dtype() -> None:
+    # A lone replica's reduction copies the tensors of one device and dtype together, into one
+    # buffer: one kernel on a GPU rather than one per tensor. An empty one keeps its autograd
+    # history.
     base = torch.randn(5, 4, requires_grad=True)
-    tensors = [base[1:3], base.t(), base[0], torch.arange(3), base[:0]]
-    copies = _collectives._copied(tensors)
-    for original, copy in zip(tensors, copies):
-        assert torch.equal(copy, original) and copy.is_contiguous() and copy.dtype == original.dtype
-    storages = {c.untyped_storage().data_ptr() for c in copies[:3]}
-    assert len(storages) == 1 and base.untyped_storage().data_ptr() not in storages
+
+    @fdp.pmap(axis_name="i", devices=cpus(1), in_axes=(None, 0), out_axes=None)
+    def f(base: torch.Tensor, rows: torch.Tensor) -> Any:
+        tensors = [base[1:3], base.t(), base[0], torch.arange(3), base[:0]]
+        copies = fdp.psum(tensors, "i")
+        for original, copy in zip(tensors, copies):
+            assert torch.equal(copy, original) and copy.is_contiguous() and copy.dtype == original.dtype
+        storages = {c.untyped_storage().data_ptr() for c in copies[:3]}
+        assert len(storages) == 1 and base.untyped_storage().data_ptr() not in storages
+        return copies
+
+    copies = f(base, torch.zeros(1))
     sum(c.sum() for c in copies if c.is_floating_point()).backward()
     expected = torch.ones(5, 4)  # every element once, through the transpose
     expected[:3] += 1  # rows 0, 1 and 2 once more, through the slices
