@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -43,14 +44,10 @@ class _Skeleton:
         # take the direct swap (see by_path).
         self._direct_ok = not isinstance(root, (nn.DataParallel, torch.jit.ScriptModule))
         self.by_path: dict[str, nn.Module] | None = None
-
-    def _copy_of(self, module: nn.Module | None) -> nn.Module | None:
-        if module is None:
-            return None
-        ref, copy = self._copies[id(module)]  # KeyError: a submodule added since the build
-        if ref() is not module:
-            raise KeyError(id(module))  # the id belonged to a module that no longer exists
-        return copy
+        # What by_path was worked out from (see refresh): the tree's shape, as names and ids.
+        self._layout: tuple[list[Any], ...] | None = None
+        # Where each name given to _swap_in lives under by_path: (module copy, leaf name).
+        self.owners: dict[str, tuple[nn.Module, str]] = {}
 
     def clear(self) -> None:
         for _, copy in self._pairs:
@@ -65,31 +62,55 @@ class _Skeleton:
         handles those), and no parametrization (left to torch's own call, to be safe).
         """
         direct = self._direct_ok
+        copies = self._copies
         met: list[tuple[nn.Module, dict[str, Any]]] = []  # (copy, its children), in order
-        tensor_ids: list[int] = []
-        try:
-            for ref, copy in self._pairs:
-                original = ref()
-                if original is None:
-                    continue  # removed from the tree and collected
-                state = original.__dict__.copy()
-                parameters = state["_parameters"] = state["_parameters"].copy()
-                buffers = state["_buffers"] = state["_buffers"].copy()
-                modules = state["_modules"] = {k: self._copy_of(m) for k, m in state["_modules"].items()}
-                object.__setattr__(copy, "__dict__", state)
-                if direct:
-                    met.append((copy, modules))
-                    tensor_ids += map(id, parameters.values())
-                    tensor_ids += map(id, buffers.values())
-        except KeyError:
-            return False
-        self.by_path = self._paths(met, tensor_ids) if direct else None
+        children_met: list[dict[str, Any]] = []  # the originals' children dicts, in order
+        tensors_met: list[dict[str, Any]] = []  # their parameter and buffer dicts, in order
+        for ref, copy in self._pairs:
+            original = ref()
+            if original is None:
+                continue  # removed from the tree and collected
+            state = original.__dict__.copy()
+            parameters = state["_parameters"] = state["_parameters"].copy()
+            buffers = state["_buffers"] = state["_buffers"].copy()
+            children = state["_modules"]
+            modules = state["_modules"] = {}
+            for name, child in children.items():
+                if child is None:
+                    modules[name] = None
+                    continue
+                pair = copies.get(id(child))
+                if pair is None or pair[0]() is not child:
+                    return False  # added since the build (or a new module with a dead one's id)
+                modules[name] = pair[1]
+            object.__setattr__(copy, "__dict__", state)
+            if direct:
+                met.append((copy, modules))
+                children_met.append(children)
+                tensors_met += (parameters, buffers)
+        if direct:
+            # Everything by_path depends on, as names and ids (of live originals, checked
+            # above; ids keep nothing alive, and an idle skeleton must hold nothing). Equal to
+            # the last call's, the usual case, by_path is still right: for a transformer of a
+            # few dozen modules, not working it out again takes a third off this method.
+            tensor_ids = list(map(id, chain.from_iterable(map(dict.values, tensors_met))))
+            layout = (
+                list(map(len, children_met)),
+                list(chain.from_iterable(children_met)),
+                list(map(id, chain.from_iterable(map(dict.values, children_met)))),
+                tensor_ids,
+            )
+            if layout != self._layout:
+                self.by_path = self._paths(met, tensor_ids)
+                self._layout = layout
+                self.owners = {}
         return True
 
     def _paths(
         self, met: list[tuple[nn.Module, dict[str, Any]]], tensor_ids: list[int]
     ) -> dict[str, nn.Module] | None:
-        """:attr:`by_path` from the copies met by :meth:`refresh`, or None (see there)."""
+        """:attr:`by_path` from the copies met by :meth:`refresh` and the ids of their tensors,
+        or None (see there)."""
         # A tensor under two names, in any module met (None, a missing tensor, counted once).
         none = id(None)
         if len(set(tensor_ids)) + max(tensor_ids.count(none) - 1, 0) != len(tensor_ids):
@@ -250,14 +271,21 @@ def _swap_in(skeleton: _Skeleton, params: Any) -> _Swapped | None:
     by_path = skeleton.by_path
     if by_path is None or type(params) is not dict:
         return None
+    owners = skeleton.owners  # kept while by_path is: the name's owner and leaf, worked out once
     swapped: _Swapped = []
     for name, value in params.items():
         if value is not None and not isinstance(value, torch.Tensor):
             return None
-        prefix, _, leaf = name.rpartition(".")
-        owner = by_path.get(prefix)
-        if owner is None:
-            return None
+        found = owners.get(name)
+        if found is None:
+            prefix, _, leaf = name.rpartition(".")
+            owner = by_path.get(prefix)
+            if owner is None:
+                return None
+            if len(owners) > 4096:  # names made up call by call: keep the cache small
+                owners.clear()
+            found = owners[name] = (owner, leaf)
+        owner, leaf = found
         state = owner.__dict__
         slots = state["_parameters"]
         if leaf not in slots:

@@ -233,6 +233,67 @@ def test_submodules_rearranged_between_calls_are_checked_again() -> None:
     )
 
 
+def test_every_change_to_the_tree_between_calls_of_one_skeleton_is_seen() -> None:
+    # The skeleton keeps what it worked out about the tree while the tree's names, submodules
+    # and tensors stay the same: each change below must be seen at the next call.
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2, bias=False)
+            self.a.inner = nn.Linear(2, 2, bias=False)  # used by no forward
+            self.b = nn.Linear(2, 2, bias=False)
+
+        def forward(self, x):
+            for layer in self.children():  # whatever their names
+                x = layer(x)
+            return x
+
+    net, x = Pair(), torch.randn(3, 2)
+    given = {"a.weight": torch.randn(2, 2)}
+    fdp.functional_call(net, given, (x,))
+    (skeleton,) = _functional_call._FREE[net]
+
+    def check(direct: bool = True, **names: torch.Tensor) -> None:
+        for _ in range(2):  # the second call on the skeleton the first one refreshed
+            ours, theirs = _both(net, {**given, **names}, x)
+            if isinstance(theirs[0], torch.Tensor):
+                torch.testing.assert_close(ours[0], theirs[0])
+            else:
+                assert ours == theirs
+        assert _functional_call._FREE[net] == [skeleton]  # not rebuilt: the modules are the same
+        assert (skeleton.by_path is not None) == direct  # ties are left to torch
+
+    check()
+    net.a, net.b = net.b, net.a  # the names swapped: "a.weight" is the other module's now
+    check()
+    net.b.weight = net.a.weight  # tied: the given weight is both modules'
+    check(direct=False)
+    net.b.weight = nn.Parameter(torch.randn(2, 2))  # untied again
+    check()
+    net.c = net.a  # one module under two names
+    check(direct=False)
+    del net.c
+    check()
+    del net.a.weight
+    net.a.register_buffer("weight", torch.randn(2, 2))  # a buffer now, under the same name
+    check()
+    inner = next(m.inner for m in (net.a, net.b) if "inner" in m._modules)
+    net.a.inner = net.b.inner = None
+    check(**{"a.inner.weight": torch.eye(2), "b.inner.weight": torch.eye(2)})
+    del net.a.inner, net.b.inner
+    net.b.inner = inner  # under the module met after the one it was built under
+    check(**{"a.inner.weight": torch.eye(2)})
+    check(**{"b.inner.weight": torch.eye(2)})
+    net.a.inner = net.b.inner
+    del net.b.inner
+    check(**{"a.inner.weight": torch.eye(2)})
+    check(**{"b.inner.weight": torch.eye(2)})
+    net.c = net.b  # renamed, the children's order unchanged
+    del net.b
+    check(**{"b.weight": torch.eye(2)})
+    check(**{"c.weight": torch.eye(2)})
+
+
 def test_lstm_uses_the_given_weights() -> None:
     lstm = nn.LSTM(3, 4)
     params = random_params(lstm)
