@@ -10,13 +10,17 @@ For the one tensor, two more rows: 2 replicas with the caller never running repl
 start and join of one thread, which ``nn.DataParallel`` pays per extra replica per call.
 
 Last, a training step of about 1 ms (forward and ``torch.autograd.grad`` of a small MLP) called
-directly and pmapped on one CPU replica; and the same model's functional training step (with
+directly and pmapped on one CPU replica; the same model's functional training step (with
 an SGD update) called directly on plain state and pmapped on one replica with resident state,
-as a training loop runs it, without and with a ``pmean`` of the gradients.
+as a training loop runs it, without and with a ``pmean`` of the gradients; and its module
+training step (forward, ``backward()``, ``torch.optim.SGD``) on the plain module and through
+``fdp.DataParallel`` on one CPU device. ``nn.DataParallel`` has no row of its own: without CUDA
+(or with one device) it calls the module directly, which is the plain row.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -137,6 +141,28 @@ def resident_step_rows(rounds: int) -> list[dict[str, Any]]:
     return against_direct("~1 ms resident step", variants, rounds)
 
 
+def data_parallel_rows(rounds: int) -> list[dict[str, Any]]:
+    """The MLP's module training step, plain and through ``fdp.DataParallel`` on one CPU."""
+    model = small_mlp()
+    x, y = torch.randn(64, 320), torch.randint(0, 10, (64,))
+
+    def module_step(module: torch.nn.Module) -> Any:
+        opt = torch.optim.SGD(module.parameters(), lr=0.01)
+
+        def run() -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+            opt.step()
+
+        return run
+
+    variants = {
+        "direct": module_step(copy.deepcopy(model)),
+        "fdp.DataParallel (1 cpu)": module_step(fdp.DataParallel(copy.deepcopy(model), device_ids=["cpu"])),
+    }
+    return against_direct("~1 ms module step", variants, rounds)
+
+
 def main() -> None:
     parser = arguments(__doc__, rounds=15)
     args = parser.parse_args()
@@ -167,6 +193,7 @@ def main() -> None:
             rows.append(row)
     rows += training_step_rows(args.rounds)
     rows += resident_step_rows(args.rounds)
+    rows += data_parallel_rows(args.rounds)
     print(
         table(rows, ["input", "variant", "us_per_call", "over_direct_us", "ratio_to_bare", "ratio_to_direct"])
     )

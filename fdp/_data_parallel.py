@@ -114,21 +114,39 @@ class DataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         buffers = dict(self.module.named_buffers())
-        if not any(isinstance(leaf, torch.Tensor) for leaf in _tree.flatten((inputs, kwargs))[0]):
+        if not (
+            # A tensor among the positional arguments themselves (the usual call) spares the
+            # flatten of every argument.
+            any(isinstance(a, torch.Tensor) for a in inputs)
+            or any(isinstance(leaf, torch.Tensor) for leaf in _tree.flatten((inputs, kwargs))[0])
+        ):
             # Nothing to split: nn.DataParallel runs such a call on its first device alone.
             device = self._devices[0]
             params = {name: p.to(device) for name, p in self.module.named_parameters()}
             on_device = {name: b.to(device) for name, b in buffers.items()}
-            outputs, (updated, _) = _forward_replica(self.module, self.dim, params, on_device, inputs, kwargs)
-            if updated is not None:
-                self._update_buffers(buffers, [updated], [1.0])
+            outputs, state = _forward_replica(self.module, self.dim, params, on_device, inputs, kwargs)
+            if state is not None:
+                self._update_buffers(buffers, [state[0]], [1.0])
             return outputs
-        placed = self._place(dict(self.module.named_parameters()))
-        outputs, (updated, rows) = self._mapped(self.module, self.dim, placed, buffers, inputs, kwargs)  # type: ignore[arg-type]
-        if self.module.training and buffers:
+        params = dict(self.module.named_parameters())
+        placed = params if self._on_home_device(params) else self._place(params)
+        outputs, state = self._mapped(self.module, self.dim, placed, buffers, inputs, kwargs)  # type: ignore[arg-type]
+        if state is not None:
+            updated, rows = state
             replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
             self._update_buffers(buffers, replicas, [float(n) for n in rows])
         return outputs
+
+    def _on_home_device(self, params: dict[str, torch.Tensor]) -> bool:
+        """Whether the only replica can take ``params`` as they are: one device, which holds
+        them all. The lone replica then runs on the caller's dicts, with no ``PerReplica`` tree
+        to rebuild (about a tenth of a small model's forward on the CPU)."""
+        if len(self._devices) != 1:
+            return False
+        home = self._devices[0]
+        if home.type == "cpu":
+            return all(p.is_cpu for p in params.values())
+        return all(p.device == home for p in params.values())
 
     def _place(self, params: dict[str, torch.Tensor]) -> dict[str, _state.PerReplica]:
         """The parameters on every device, copied again only when one of them changed.
@@ -182,10 +200,11 @@ def _forward_replica(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """One replica's forward; in training mode, with its own copy of the buffers."""
+    """One replica's forward; in training mode, with its own copy of the buffers, returned
+    with the number of rows it ran on (else None: an output of tensors alone, which one
+    replica returns as it is, with no gathering)."""
     if not (module.training and buffers):
-        output = _functional_call.functional_call(module, {**params, **buffers}, args, kwargs)
-        return output, (None, 0)
+        return _functional_call.functional_call(module, {**params, **buffers}, args, kwargs), None
     output, new_buffers = _functional_call.stateful_call(module, params, buffers, args, kwargs)
     tensors = [t for t in _tree.flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     return output, (new_buffers, tensors[0].shape[dim] if tensors else 1)

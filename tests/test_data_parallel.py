@@ -262,22 +262,27 @@ def test_matches_one_device_for_a_training_step() -> None:
 
 
 def test_one_device_matches_the_module_without_the_general_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
-    # One device with the inputs already there: the placed parameters, the module and the
-    # buffers reach the replica as they are, with no general scatter; BatchNorm's statistics
-    # still come back to the module.
-    scattered: list[int] = []
-    scatter = _data_parallel._pmap._scatter.scatter_leaves
-    monkeypatch.setattr(
-        _data_parallel._pmap._scatter,
-        "scatter_leaves",
-        lambda *a, **k: scattered.append(1) or scatter(*a, **k),
-    )
+    # One device that holds the parameters, with the inputs already there: the parameters, the
+    # module and the buffers reach the replica as they are, with no general scatter and nothing
+    # placed; BatchNorm's statistics still come back to the module.
+    scattered: list[str] = []
+    for owner, name in (
+        (_data_parallel._pmap._scatter, "scatter_leaves"),
+        (_data_parallel._scatter, "replicate"),
+    ):
+        original = getattr(owner, name)
+        monkeypatch.setattr(
+            owner, name, lambda *a, _n=name, _f=original, **k: scattered.append(_n) or _f(*a, **k)
+        )
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     dp_net = fdp.DataParallel(copy.deepcopy(net), device_ids=["cpu"])
     x, y = torch.randn(10, 6), torch.randn(10, 2)
     for model in (net, dp_net):
         sgd_steps(model, x, y)
+    for model in (net, dp_net):
+        model.eval()
+    torch.testing.assert_close(dp_net(x), net(x), atol=1e-6, rtol=1e-5)
     assert scattered == []
     for a, b in zip(net.state_dict().values(), dp_net.module.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
