@@ -113,7 +113,7 @@ class DataParallel(nn.Module):
         self._shared_as_is = len(set(devices)) == 1 and (len(devices) == 1 or devices[0].type == "cpu")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        buffers = dict(self.module.named_buffers())
+        params, buffers = _parameters_and_buffers(self.module)
         if not (
             # A tensor among the positional arguments themselves (the usual call) spares the
             # flatten of every argument.
@@ -122,13 +122,12 @@ class DataParallel(nn.Module):
         ):
             # Nothing to split: nn.DataParallel runs such a call on its first device alone.
             device = self._devices[0]
-            params = {name: p.to(device) for name, p in self.module.named_parameters()}
+            params = {name: p.to(device) for name, p in params.items()}
             on_device = {name: b.to(device) for name, b in buffers.items()}
             outputs, state = _forward_replica(self.module, self.dim, params, on_device, inputs, kwargs)
             if state is not None:
                 self._update_buffers(buffers, [state[0]], [1.0])
             return outputs
-        params = dict(self.module.named_parameters())
         placed = params if self._on_home_device(params) else self._place(params)
         outputs, state = self._mapped(self.module, self.dim, placed, buffers, inputs, kwargs)  # type: ignore[arg-type]
         if state is not None:
@@ -190,6 +189,29 @@ class DataParallel(nn.Module):
                 new = torch.tensordot(share, torch.stack(values), dims=1)  # sum_r w_r / W * value_r
             if not torch.equal(new, buffer):  # untouched buffers keep their version counters
                 buffer.copy_(new)
+
+
+def _parameters_and_buffers(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``dict(module.named_parameters())`` and ``dict(module.named_buffers())``, from one walk
+    over the submodules instead of two: with the names and the skipping of ``None`` and of
+    tensors met before (under another name) of those methods. For a module of a few dozen
+    submodules the second walk would cost about as much as the rest of a forward's own work."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen_params: set[torch.Tensor] = set()
+    seen_buffers: set[torch.Tensor] = set()
+    for prefix, submodule in module.named_modules():
+        state = submodule.__dict__
+        for tensors, seen, slots in (
+            (params, seen_params, "_parameters"),
+            (buffers, seen_buffers, "_buffers"),
+        ):
+            for name, tensor in state[slots].items():
+                if tensor is None or tensor in seen:
+                    continue
+                seen.add(tensor)
+                tensors[f"{prefix}.{name}" if prefix else name] = tensor
+    return params, buffers
 
 
 def _forward_replica(

@@ -288,6 +288,25 @@ def test_one_device_matches_the_module_without_the_general_scatter(monkeypatch: 
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_one_walk_lists_what_named_parameters_and_named_buffers_list() -> None:
+    class Tricky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2, bias=False)  # a None parameter
+            self.b = nn.Linear(2, 2)
+            self.b.weight = self.a.weight  # tied: listed once, under its first name
+            self.shared = nn.BatchNorm1d(2)
+            self.again = self.shared  # one submodule under two names: listed once
+            self.register_buffer("nothing", None)
+            self.register_buffer("step", torch.zeros(()))
+            self.b.register_buffer("step_too", self.step)  # a tied buffer
+
+    for module in (Tricky(), nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Sequential(nn.LayerNorm(3)))):
+        params, buffers = _data_parallel._parameters_and_buffers(module)
+        assert list(params.items()) == list(module.named_parameters())
+        assert list(buffers.items()) == list(module.named_buffers())
+
+
 def test_bad_buffers_mode() -> None:
     with pytest.raises(ValueError, match="buffers must be 'average' or 'replica0'"):
         fdp.DataParallel(nn.Linear(1, 1), buffers="mean")  # type: ignore[arg-type]
