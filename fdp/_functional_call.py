@@ -10,11 +10,14 @@ Skeletons are cached per module in a small free list (one per concurrent caller,
 replica under ``fdp.pmap``) and refreshed from the original on every checkout: changes made to
 the module between calls (``model.eval()``, a new attribute, a replaced submodule) are always
 seen. Hooks and other attribute values are shared with the original, as in ``nn.DataParallel``;
-attributes that ``forward`` assigns on ``self`` land on the skeleton and are dropped.
+attributes that ``forward`` assigns on ``self`` land on the skeleton and are dropped. A
+skeleton that something made during the call still holds (activation checkpointing's graph,
+which calls ``forward`` again in backward) is left to it, never reused (see ``_release``).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ class _Skeleton:
             self._pairs.append((ref, copy))
             self._copies[id(original)] = (ref, copy)
         self.root = self._copies[id(root)][1]
+        self._copy_list = [copy for _, copy in self._pairs]
         # Modules that torch.func.functional_call refuses, or treats in ways of its own, never
         # take the direct swap (see by_path).
         self._direct_ok = not isinstance(root, (nn.DataParallel, torch.jit.ScriptModule))
@@ -48,6 +52,11 @@ class _Skeleton:
         self._layout: tuple[list[Any], ...] | None = None
         # Where each name given to _swap_in lives under by_path: (module copy, leaf name).
         self.owners: dict[str, tuple[nn.Module, str]] = {}
+
+    def references(self) -> list[int]:
+        """How many references each copy has: more after a call than before it means that
+        something made during the call holds a copy (see :func:`_release`)."""
+        return list(map(sys.getrefcount, self._copy_list))
 
     def clear(self) -> None:
         for _, copy in self._pairs:
@@ -70,6 +79,8 @@ class _Skeleton:
             original = ref()
             if original is None:
                 continue  # removed from the tree and collected
+            if type(original) is not type(copy):
+                return False  # its class was changed (module.__class__ = ...): built anew
             state = original.__dict__.copy()
             parameters = state["_parameters"] = state["_parameters"].copy()
             buffers = state["_buffers"] = state["_buffers"].copy()
@@ -149,10 +160,28 @@ def _checkout(module: nn.Module) -> _Skeleton:
     return skeleton
 
 
-def _release(module: nn.Module, skeleton: _Skeleton) -> None:
+def _release(
+    module: nn.Module, skeleton: _Skeleton, references: list[int] | None = None, *, keep: bool = False
+) -> None:
+    """Puts ``skeleton`` back in the free list, emptied, unless the call just made kept a
+    reference to one of its copies (``references``: the counts before the call).
+
+    What keeps one is mostly activation checkpointing (``torch.utils.checkpoint`` inside
+    ``forward``): the autograd graph holds the checkpointed function, a method of a copy, to
+    call it again in backward. Reused by a later call, or by another thread, the skeleton
+    would then hold that call's tensors, and the recomputation would silently use them. Such a
+    skeleton is never reused; with ``keep`` (the call's tensors are in the copies' own dicts)
+    it is left as the call left it, so that the recomputation uses that call's tensors, as the
+    forward did; else it is emptied, so that a recomputation fails rather than use others'.
+    """
+    captured = references is not None and skeleton.references() != references
+    if captured and keep:
+        return
     # An idle skeleton holds nothing: its copies' state (hook dicts, attribute values) could
     # otherwise refer back to the module and keep it, and the weak cache entry, alive forever.
     skeleton.clear()
+    if captured:
+        return
     with _FREE_LOCK:
         _FREE.setdefault(module, []).append(skeleton)
 
@@ -200,6 +229,16 @@ def functional_call(
     ``torch._dynamo.exc.Unsupported`` naming it), and attributes that ``forward`` assigns on
     ``self`` land on ``module``. ``fdp.pmap(module, compile=True)`` has neither limit.
 
+    Activation checkpointing inside ``forward`` (``torch.utils.checkpoint``) recomputes with
+    the call's own tensors in backward, also while other calls of the module run in other
+    threads: a skeleton that the autograd graph still holds is never reused. (On tied weights,
+    shared submodules or parametrizations, where ``torch.func.functional_call``'s own swap
+    runs and is undone when it returns, such a recomputation raises instead; on the module
+    itself, ``torch.func.functional_call`` would recompute with the module's own tensors.)
+    A submodule that ``forward`` reaches only through a plain attribute (a list of modules
+    not registered as children, say) is the original, not the skeleton's copy, and keeps its
+    own tensors, as with ``nn.DataParallel``'s replicas; register it (``nn.ModuleList``).
+
     Args:
         module: the module to call. It is not modified.
         params: a dict from parameter and buffer names (as in ``module.named_parameters()``) to
@@ -239,19 +278,29 @@ def functional_call(
             return torch.func.functional_call(
                 module, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )
+    if isinstance(module, torch.jit.ScriptModule):  # torch refuses it, saying why
+        return torch.func.functional_call(
+            module, params, args, kwargs, tie_weights=tie_weights, strict=strict
+        )
     skeleton = _checkout(module)
+    references, keep = None, False
     try:
         swapped = None if strict or torch.jit.is_tracing() else _swap_in(skeleton, params)
+        references = skeleton.references()
         if swapped is None:
             return torch.func.functional_call(
                 skeleton.root, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )
+        keep = True
         try:
             return skeleton.root(*(args if isinstance(args, tuple) else (args,)), **(kwargs or {}))
         finally:
             _write_back(swapped, params)  # type: ignore[arg-type]
+    except BaseException:
+        references = None  # a failed call leaves no graph behind (its traceback holds copies)
+        raise
     finally:
-        _release(module, skeleton)
+        _release(module, skeleton, references, keep=keep)
 
 
 _Swapped = list[tuple[str, dict[str, Any], str, Any]]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -292,6 +294,80 @@ def test_every_change_to_the_tree_between_calls_of_one_skeleton_is_seen() -> Non
     del net.b
     check(**{"b.weight": torch.eye(2)})
     check(**{"c.weight": torch.eye(2)})
+
+
+def test_a_submodule_whose_class_changed_between_calls_runs_its_new_forward() -> None:
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    net, x = nn.Sequential(nn.Linear(2, 2)), torch.randn(3, 2)
+    fdp.functional_call(net, {}, (x,))
+    net[0].__class__ = Doubled
+    torch.testing.assert_close(fdp.functional_call(net, {}, (x,)), torch.func.functional_call(net, {}, (x,)))
+    torch.testing.assert_close(fdp.functional_call(net, {}, (x,)), 2 * nn.Linear.forward(net[0], x))
+
+
+def test_a_scripted_module_gets_torchs_refusal() -> None:
+    with warnings.catch_warnings():  # torch.jit is deprecated, and says so
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(nn.Linear(2, 2))
+    ours, theirs = _both(scripted, {}, torch.randn(3, 2))
+    assert ours == theirs and ours[0] is RuntimeError and "Jitted modules" in ours[1]
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing inside forward: backward calls ``self.a`` again."""
+
+    def __init__(self, checkpoint: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 1)
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        if self.checkpoint:
+            h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+        else:
+            h = self.a(x)
+        return self.b(torch.tanh(h))
+
+
+def checkpointed_grads(call, net: nn.Module, seed: int) -> list[torch.Tensor]:
+    """Gradients of two calls of ``net`` with different tensors, differentiated together: each
+    call's recomputation in backward must use that call's own tensors."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, generator=g)
+    p1, p2 = (
+        {k: torch.randn(v.shape, generator=g).requires_grad_() for k, v in net.named_parameters()}
+        for _ in range(2)
+    )
+    loss = call(net, p1, (x,)).sum() + call(net, p2, (x,)).sum()
+    return list(torch.autograd.grad(loss, [*p1.values(), *p2.values()]))
+
+
+def unchecked(net: nn.Module, params: dict, args: tuple) -> torch.Tensor:
+    """The oracle: the same computation on a twin of ``net`` that recomputes nothing."""
+    twin = copy.deepcopy(net)
+    twin.checkpoint = False
+    return torch.func.functional_call(twin, params, args)
+
+
+def test_activation_checkpointing_inside_forward_recomputes_with_the_calls_own_tensors() -> None:
+    net = Checkpointed()
+    for ours, expected in zip(
+        checkpointed_grads(fdp.functional_call, net, 0), checkpointed_grads(unchecked, net, 0)
+    ):
+        torch.testing.assert_close(ours, expected)
+
+
+def test_checkpointing_where_torchs_own_swap_runs_raises_in_backward_rather_than_mix_tensors() -> None:
+    net = Checkpointed()
+    net.b.weight = nn.Parameter(net.a.weight[:1].detach().clone())
+    net.c = net.a  # a submodule under two names: torch.func.functional_call's own swap runs
+    with pytest.raises(AttributeError):
+        checkpointed_grads(fdp.functional_call, net, 0)
+    assert len(_functional_call._FREE.get(net, [])) == 0  # the held skeletons were not reused
 
 
 def test_lstm_uses_the_given_weights() -> None:

@@ -128,3 +128,23 @@ def test_a_compiled_functional_call_from_eight_threads() -> None:
     for i in range(THREADS):
         for out in got[i]:
             torch.testing.assert_close(out, expected[i])
+
+
+def test_activation_checkpointing_in_a_functional_call_from_eight_threads() -> None:
+    # Each thread's backward recomputes its own forward (torch.utils.checkpoint) while other
+    # threads call the same module: the recomputation must use that call's tensors.
+    from test_functional_call import Checkpointed, checkpointed_grads, unchecked
+
+    net = Checkpointed()
+
+    def work(i: int) -> bool:
+        return all(
+            torch.allclose(a, b)
+            for k in range(10)
+            for a, b in zip(
+                checkpointed_grads(fdp.functional_call, net, 100 * i + k),
+                checkpointed_grads(unchecked, net, 100 * i + k),
+            )
+        )
+
+    assert run_in_threads(work) == [True] * THREADS
