@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 import queue
 import sys
@@ -238,6 +239,7 @@ def initialize(
             timeout=timeout,
         )
     if owns_group:
+        _import_group_defaults()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         backend = str(dist.get_backend())  # what the group runs, for _polls
@@ -249,6 +251,21 @@ def initialize(
         previous_hook(kind, error, trace)
 
     sys.excepthook = record_uncaught
+
+
+def _import_group_defaults() -> None:
+    """Imports ``torch.distributed.nn.functional`` while no process group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated once, at import:
+    imported after ``init_process_group`` (``torch._dynamo`` imports it, and ``torch.func.grad``
+    or ``torch.compile`` import ``torch._dynamo``), they hold the default group for the rest of
+    the process. ``destroy_process_group`` then frees nothing: gloo's threads keep running until
+    the interpreter exits, where tearing the group down now and then aborted the process
+    ("terminate called without an active exception", exit code -6) after a run that had
+    finished. Imported first, the defaults are ``None``.
+    """
+    with contextlib.suppress(ImportError):
+        importlib.import_module("torch.distributed.nn.functional")
 
 
 def shutdown() -> None:

@@ -161,3 +161,24 @@ def cuda_side_stream(rank: int, world: int, folder: str) -> None:
         report(folder, rank, {"max_error": float((out - expected).abs().max())})
     finally:
         fdp.distributed.shutdown()
+
+
+def gloo_threads() -> int:
+    """How many of this process's threads are gloo's (Linux: named in /proc)."""
+    tasks = Path("/proc/self/task")
+    return sum("gloo" in (task / "comm").read_text() for task in tasks.iterdir())
+
+
+def group_freed_at_shutdown(rank: int, world: int, folder: str) -> None:
+    """torch.func.grad after initialize (it imports torch._dynamo, and that imports modules
+    whose default arguments would capture the group): shutdown must still free the group."""
+    start(rank, world, folder)
+    try:
+        running = gloo_threads()
+        grad = fdp.pmap(
+            lambda x: torch.func.grad(lambda x: fdp.psum(x.square().sum(), "i"))(x), axis_name="i"
+        )
+        grad(torch.ones(2))
+    finally:
+        fdp.distributed.shutdown()
+    report(folder, rank, {"running": running, "after_shutdown": gloo_threads()})

@@ -74,6 +74,16 @@ def test_numerically_identical_to_ddp(tmp_path: Path) -> None:
     assert all(r["max_diff"] <= 1e-6 for r in results), results
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_shutdown_frees_the_group_even_after_torch_dynamo_is_imported(tmp_path: Path) -> None:
+    # Otherwise gloo's threads run until the interpreter exits, where tearing the group down
+    # now and then aborted a rank that had finished ("terminate called without an active
+    # exception"): see _distributed._import_group_defaults.
+    results, codes = spawn(distributed_workers.group_freed_at_shutdown, tmp_path)
+    assert codes == [0, 0], results
+    assert all(r["running"] > 0 and r["after_shutdown"] == 0 for r in results), results
+
+
 def test_a_failing_rank_makes_the_others_fail_fast_naming_it(tmp_path: Path) -> None:
     results, codes = spawn(distributed_workers.failing_rank, tmp_path)
     assert codes[1] != 0 and results[1]["error"] == "ValueError"
