@@ -260,9 +260,9 @@ def _import_group_defaults() -> None:
     imported after ``init_process_group`` (``torch._dynamo`` imports it, and ``torch.func.grad``
     or ``torch.compile`` import ``torch._dynamo``), they hold the default group for the rest of
     the process. ``destroy_process_group`` then frees nothing: gloo's threads keep running until
-    the interpreter exits, where tearing the group down now and then aborted the process
-    ("terminate called without an active exception", exit code -6) after a run that had
-    finished. Imported first, the defaults are ``None``.
+    the interpreter exits and the group is torn down there, the likely cause of a rare abort of
+    a rank that had finished ("terminate called without an active exception", exit code -6).
+    Imported first, the defaults are ``None``.
     """
     with contextlib.suppress(ImportError):
         importlib.import_module("torch.distributed.nn.functional")

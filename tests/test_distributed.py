@@ -76,9 +76,9 @@ def test_numerically_identical_to_ddp(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
 def test_shutdown_frees_the_group_even_after_torch_dynamo_is_imported(tmp_path: Path) -> None:
-    # Otherwise gloo's threads run until the interpreter exits, where tearing the group down
-    # now and then aborted a rank that had finished ("terminate called without an active
-    # exception"): see _distributed._import_group_defaults.
+    # Otherwise gloo's threads run until the interpreter exits, and the group is torn down
+    # there: the likely cause of a rare abort of a finished rank ("terminate called without an
+    # active exception"). See _distributed._import_group_defaults.
     results, codes = spawn(distributed_workers.group_freed_at_shutdown, tmp_path)
     assert codes == [0, 0], results
     assert all(r["running"] > 0 and r["after_shutdown"] == 0 for r in results), results
