@@ -17,6 +17,7 @@ which calls ``forward`` again in backward) is left to it, never reused (see ``_r
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import weakref
@@ -173,8 +174,13 @@ def _release(
     skeleton is never reused; with ``keep`` (the call's tensors are in the copies' own dicts)
     it is left as the call left it, so that the recomputation uses that call's tensors, as the
     forward did; else it is emptied, so that a recomputation fails rather than use others'.
+    A full backward hook (``register_full_backward_hook``) holds its module in the graph too:
+    modules with one get a new skeleton on every call (~3 µs per module), and so does a
+    ``forward`` that stores ``self`` somewhere.
     """
-    captured = references is not None and skeleton.references() != references
+    # A count that grew: something made during the call holds a copy (one that fell, say a
+    # traceback of an earlier call let go, captures nothing).
+    captured = references is not None and any(map(operator.gt, skeleton.references(), references))
     if captured and keep:
         return
     # An idle skeleton holds nothing: its copies' state (hook dicts, attribute values) could
