@@ -45,9 +45,10 @@ class _Skeleton:
             self._copies[id(original)] = (ref, copy)
         self.root = self._copies[id(root)][1]
         self._copy_list = [copy for _, copy in self._pairs]
-        # Modules that torch.func.functional_call refuses, or treats in ways of its own, never
-        # take the direct swap (see by_path).
-        self._direct_ok = not isinstance(root, (nn.DataParallel, torch.jit.ScriptModule))
+        # A module that torch.func.functional_call treats in a way of its own never takes the
+        # direct swap (see by_path). (Nor does a scripted module: functional_call hands it to
+        # torch, which refuses it, and elsewhere refresh fails on its dict wrappers.)
+        self._direct_ok = not isinstance(root, nn.DataParallel)
         self.by_path: dict[str, nn.Module] | None = None
         # What by_path was worked out from (see refresh): the tree's shape, as names and ids.
         self._layout: tuple[list[Any], ...] | None = None
@@ -60,7 +61,7 @@ class _Skeleton:
         return list(map(sys.getrefcount, self._copy_list))
 
     def clear(self) -> None:
-        for _, copy in self._pairs:
+        for copy in self._copy_list:
             object.__setattr__(copy, "__dict__", {})
 
     def refresh(self) -> bool:
