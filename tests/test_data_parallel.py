@@ -288,6 +288,73 @@ def test_one_device_matches_the_module_without_the_general_scatter(monkeypatch: 
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_one_device_that_holds_the_module_runs_the_module_itself() -> None:
+    """As nn.DataParallel on one device: the module's own forward, so what it sets on ``self``
+    stays, while inputs and outputs keep fdp's rules (checked sizes, 0-dim outputs stacked)."""
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 1)
+            self.calls = 0
+            self.selves: list[nn.Module] = []
+
+        def forward(self, x, y=None):
+            self.calls += 1
+            self.selves.append(self)
+            return {"out": self.fc(x), "total": x.sum(), "kind": "linear"}
+
+    net = Counting()
+    model = fdp.DataParallel(net, device_ids=["cpu"])
+    out = model(torch.ones(3, 2))
+    torch.testing.assert_close(out["out"], net.fc(torch.ones(3, 2)))
+    torch.testing.assert_close(out["total"], torch.tensor([6.0]))  # one replica's 0-dim, stacked
+    assert out["kind"] == "linear"
+    assert net.calls == 1 and net.selves == [net]
+    with pytest.raises(ValueError, match=r"axis 0 of kwargs\['y'\] of type float32\[2\]"):
+        model(torch.ones(3, 2), y=torch.ones(2))
+    with pytest.raises(ValueError, match=r"axis 0 of inputs\[1\] of type float32\[2\]"):
+        model(torch.ones(3, 2), torch.ones(2))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_call_without_tensors_runs_once_on_the_first_device(n: int) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, k=2):
+            return self.w * k
+
+    model = fdp.DataParallel(Scaled(), device_ids=cpus(n))
+    torch.testing.assert_close(model(), torch.full((3,), 2.0))
+    torch.testing.assert_close(model(3), torch.full((3,), 3.0))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_activation_checkpointing_inside_forward(n: int) -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 1)
+            self.norm = nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+            return self.b(torch.tanh(self.norm(h)))
+
+    torch.manual_seed(0)
+    net = Checkpointed()
+    oracle = copy.deepcopy(net)
+    x = torch.randn(8, 3)
+    fdp.DataParallel(net, device_ids=cpus(n))(x).square().sum().backward()
+    for shard in x.chunk(n):  # BatchNorm normalizes each replica's shard apart
+        oracle(shard).square().sum().backward()
+    assert_grads_match(net, oracle, atol=1e-5)
+
+
 def test_one_walk_lists_what_named_parameters_and_named_buffers_list() -> None:
     class Tricky(nn.Module):
         def __init__(self) -> None:
