@@ -30,6 +30,9 @@ from torch import nn
 
 __all__ = ["functional_call", "stateful_call"]
 
+# The names of one tensor registered under several, and each name's module copy and leaf.
+_Tie = tuple[frozenset[str], list[tuple[nn.Module, str]]]
+
 
 class _Skeleton:
     """A structural copy of a module tree; see the module docstring."""
@@ -50,6 +53,9 @@ class _Skeleton:
         # torch, which refuses it, and elsewhere refresh fails on its dict wrappers.)
         self._direct_ok = not isinstance(root, nn.DataParallel)
         self.by_path: dict[str, nn.Module] | None = None
+        # Every name of a tensor registered under several names (tied weights, a submodule
+        # reached by several paths): the names of the tie and where each lives.
+        self.tied: dict[str, _Tie] = {}
         # What by_path was worked out from (see refresh): the tree's shape, as names and ids.
         self._layout: tuple[list[Any], ...] | None = None
         # Where each name given to _swap_in lives under by_path: (module copy, leaf name).
@@ -60,17 +66,18 @@ class _Skeleton:
         something made during the call holds a copy (see :func:`_release`)."""
         return list(map(sys.getrefcount, self._copy_list))
 
-    def clear(self) -> None:
+    def clear(self, *, released: bool = False) -> None:
+        """Empties every copy; with ``released``, for good: any attribute looked up on a copy
+        then raises an ``AttributeError`` that says why (see :class:`_Released`)."""
         for copy in self._copy_list:
-            object.__setattr__(copy, "__dict__", {})
+            object.__setattr__(copy, "__dict__", {"_parameters": _RELEASED} if released else {})
 
     def refresh(self) -> bool:
         """Copies the originals' current state in; False if the module tree changed shape.
 
-        On the way, works out :attr:`by_path`: each submodule copy by its name, when the tree
-        is one that :func:`_swap_in` may swap into directly: no submodule reached by two paths
-        and no tensor registered under two names (torch.func.functional_call's ``tie_weights``
-        handles those), and no parametrization (left to torch's own call, to be safe).
+        On the way, works out :attr:`by_path` (each submodule copy by every name it has) and
+        :attr:`tied`, unless the tree holds a parametrization (left to torch's own call, to be
+        safe) or a cycle.
         """
         direct = self._direct_ok
         copies = self._copies
@@ -114,38 +121,47 @@ class _Skeleton:
                 tensor_ids,
             )
             if layout != self._layout:
-                self.by_path = self._paths(met, tensor_ids)
+                self.by_path, self.tied = self._paths() or (None, {})
                 self._layout = layout
                 self.owners = {}
         return True
 
-    def _paths(
-        self, met: list[tuple[nn.Module, dict[str, Any]]], tensor_ids: list[int]
-    ) -> dict[str, nn.Module] | None:
-        """:attr:`by_path` from the copies met by :meth:`refresh` and the ids of their tensors,
-        or None (see there)."""
-        # A tensor under two names, in any module met (None, a missing tensor, counted once).
-        none = id(None)
-        if len(set(tensor_ids)) + max(tensor_ids.count(none) - 1, 0) != len(tensor_ids):
-            return None
+    def _paths(self) -> tuple[dict[str, nn.Module], dict[str, _Tie]] | None:
+        """:attr:`by_path` and :attr:`tied` for the tree just refreshed, or None (see there).
+
+        The walk lists a submodule, and its tensors, under every path that reaches it, as
+        ``named_parameters(remove_duplicate=False)`` does, which is how
+        ``torch.func.functional_call`` finds the names it ties."""
         by_path: dict[str, nn.Module] = {"": self.root}
-        paths: dict[int, str] = {id(self.root): ""}
-        for copy, modules in met:
-            prefix = paths.get(id(copy))
-            if prefix is None:
-                # Not reached from the root (yet: a module moved under one met later). Names
-                # in it, or below it, are then not found, and left to torch.
-                continue
+        names: dict[int, list[tuple[str, nn.Module, str]]] = {}  # by tensor: its names
+        walk: list[tuple[str, nn.Module, tuple[int, ...]]] = [("", self.root, ())]
+        while walk:
+            prefix, copy, above = walk.pop()
+            state = copy.__dict__
+            modules = state["_modules"]
             if "parametrizations" in modules:
                 return None
+            for slots in (state["_parameters"], state["_buffers"]):
+                for leaf, tensor in slots.items():
+                    if tensor is not None:
+                        where = (f"{prefix}.{leaf}" if prefix else leaf, copy, leaf)
+                        names.setdefault(id(tensor), []).append(where)
+            above += (id(copy),)
             for name, child in modules.items():
                 if child is None:
                     continue
-                if id(child) in paths:
-                    return None  # reached by two paths: tied, torch unties
-                path = paths[id(child)] = f"{prefix}.{name}" if prefix else name
+                if id(child) in above:
+                    return None  # a module inside itself: torch's walk would never end either
+                path = f"{prefix}.{name}" if prefix else name
                 by_path[path] = child
-        return by_path
+                walk.append((path, child, above))
+        tied: dict[str, _Tie] = {}
+        for places in names.values():
+            if len(places) > 1:
+                tie = (frozenset(name for name, _, _ in places), [(copy, leaf) for _, copy, leaf in places])
+                for name, _, _ in places:
+                    tied[name] = tie
+        return by_path, tied
 
 
 _FREE: weakref.WeakKeyDictionary[nn.Module, list[_Skeleton]] = weakref.WeakKeyDictionary()
@@ -186,11 +202,36 @@ def _release(
         return
     # An idle skeleton holds nothing: its copies' state (hook dicts, attribute values) could
     # otherwise refer back to the module and keep it, and the weak cache entry, alive forever.
-    skeleton.clear()
+    skeleton.clear(released=captured)
     if captured:
         return
     with _FREE_LOCK:
         _FREE.setdefault(module, []).append(skeleton)
+
+
+class _Released:
+    """The ``_parameters`` of a copy emptied while something still held it (see
+    :func:`_release`): ``nn.Module.__getattr__`` looks every missing attribute up in it first,
+    so a later use of the copy, such as a checkpoint's recomputation, fails saying why instead
+    of naming a missing ``_backward_hooks``."""
+
+    def __contains__(self, name: object) -> bool:
+        raise AttributeError(
+            f"fdp.functional_call: no attribute {name!r}: this module is a private copy that "
+            "fdp.functional_call lent to a call that has returned, emptied so that it cannot "
+            "run on another call's tensors. Something made during the call kept it and used it "
+            "later: most likely activation checkpointing (torch.utils.checkpoint) inside "
+            "forward, recomputing in backward. fdp.functional_call supports that, except where "
+            "it leaves the call to torch.func.functional_call: a module with parametrizations "
+            "(torch.nn.utils.parametrize), params given as a sequence of dicts, strict=True, "
+            "names that are not the module's parameters or buffers, values that are neither "
+            "tensors nor None, and several but not all names of one tied tensor, or several "
+            "values for it. There, checkpoint the whole functional call from outside, or (but "
+            "for parametrizations) pass one dict of the module's parameters and buffers."
+        )
+
+
+_RELEASED = _Released()
 
 
 class private_module:
@@ -238,10 +279,14 @@ def functional_call(
 
     Activation checkpointing inside ``forward`` (``torch.utils.checkpoint``) recomputes with
     the call's own tensors in backward, also while other calls of the module run in other
-    threads: a skeleton that the autograd graph still holds is never reused. (On tied weights,
-    shared submodules or parametrizations, where ``torch.func.functional_call``'s own swap
-    runs and is undone when it returns, such a recomputation raises instead; on the module
-    itself, ``torch.func.functional_call`` would recompute with the module's own tensors.)
+    threads: a skeleton that the autograd graph still holds is never reused. (Where
+    ``torch.func.functional_call``'s own swap runs on the skeleton and is undone when it
+    returns, on parametrized modules, a sequence of dicts or ``strict=True``, such a
+    recomputation raises an error that says so; on the module itself,
+    ``torch.func.functional_call`` would recompute with the module's own tensors.) Tied weights
+    and submodules under two names are swapped as ``torch.func.functional_call`` swaps them,
+    but the module never keeps a given tensor (torch 2.13 leaves one in a submodule reached by
+    two names: pytorch/pytorch#164759).
     A submodule that ``forward`` reaches only through a plain attribute (a list of modules
     not registered as children, say) is the original, not the skeleton's copy, and keeps its
     own tensors, as with ``nn.DataParallel``'s replicas; register it (``nn.ModuleList``).
@@ -292,7 +337,7 @@ def functional_call(
     skeleton = _checkout(module)
     references, keep = None, False
     try:
-        swapped = None if strict or torch.jit.is_tracing() else _swap_in(skeleton, params)
+        swapped = None if strict or torch.jit.is_tracing() else _swap_in(skeleton, params, tie_weights)
         references = skeleton.references()
         if swapped is None:
             return torch.func.functional_call(
@@ -313,13 +358,15 @@ def functional_call(
 _Swapped = list[tuple[str, dict[str, Any], str, Any]]
 
 
-def _swap_in(skeleton: _Skeleton, params: Any) -> _Swapped | None:
-    """Puts ``params`` into the skeleton's own dicts, as torch.func.functional_call's swap does
-    for names it finds there, without its Python work for tied weights, strict checks and the
-    restore (the skeleton is private, and refreshed at its next checkout). None, with nothing
-    changed, where that call's own handling is needed: a sequence of dicts, a tree that
-    :meth:`_Skeleton.refresh` found ties, shared submodules or parametrizations in, a name that
-    is not a parameter or buffer, a value that is not a tensor or None.
+def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | None:
+    """Puts ``params`` into the skeleton's own dicts, as torch.func.functional_call's swap does,
+    without its Python work for strict checks and the restore (the skeleton is private, and
+    refreshed at its next checkout). With ``tie_weights``, a tensor given for one name of a
+    tied tensor goes under each of its names, as there. None, with nothing changed, where that
+    call's own handling is needed: a sequence of dicts, a tree that :meth:`_Skeleton.refresh`
+    found parametrizations or a cycle in, a name that is not a parameter or buffer, a value
+    that is not a tensor or None, several names of one tied tensor given different values
+    (torch refuses them, saying why) or some but not all of its names given.
 
     For a transformer of a few dozen tensors this saves ~0.5 ms of Python per call, which
     replicas running in threads would otherwise take turns for (the GIL).
@@ -328,7 +375,9 @@ def _swap_in(skeleton: _Skeleton, params: Any) -> _Swapped | None:
     if by_path is None or type(params) is not dict:
         return None
     owners = skeleton.owners  # kept while by_path is: the name's owner and leaf, worked out once
+    tied = skeleton.tied if tie_weights else None
     swapped: _Swapped = []
+    also: list[tuple[list[tuple[nn.Module, str]], Any]] = []  # a tied tensor's other names
     for name, value in params.items():
         if value is not None and not isinstance(value, torch.Tensor):
             return None
@@ -342,16 +391,37 @@ def _swap_in(skeleton: _Skeleton, params: Any) -> _Swapped | None:
                 owners.clear()
             found = owners[name] = (owner, leaf)
         owner, leaf = found
-        state = owner.__dict__
+        state = owner.__dict__  # _slots_of, inline: this loop runs for every name of every call
         slots = state["_parameters"]
         if leaf not in slots:
             slots = state["_buffers"]
             if leaf not in slots:
                 return None
         swapped.append((name, slots, leaf, value))
+        if tied:
+            tie = tied.get(name)
+            if tie is not None:
+                names, places = tie
+                given = [params[other] for other in names if other in params]
+                if len(given) > 1 and (len(given) < len(names) or any(v is not value for v in given)):
+                    return None
+                also.append((places, value))
     for _, slots, leaf, value in swapped:
         slots[leaf] = value
+    for places, value in also:
+        for owner, leaf in places:
+            _slots_of(owner, leaf)[leaf] = value  # type: ignore[index]
     return swapped
+
+
+def _slots_of(owner: nn.Module, leaf: str) -> dict[str, Any] | None:
+    """The dict of ``owner`` (a skeleton copy) that holds the parameter or buffer ``leaf``."""
+    state = owner.__dict__
+    slots = state["_parameters"]
+    if leaf in slots:
+        return slots
+    slots = state["_buffers"]
+    return slots if leaf in slots else None
 
 
 def _write_back(swapped: _Swapped, params: dict[str, Any]) -> None:
@@ -373,7 +443,8 @@ def stateful_call(
     """Calls ``module`` functionally and returns its updated buffers as new state.
 
     Layers such as BatchNorm update their buffers (running statistics) in place during
-    ``forward``. Here they update fresh copies, which come back as ``new_buffers``; neither
+    ``forward``. Here they update fresh copies, which come back as ``new_buffers`` (as do
+    buffers that ``forward`` reassigns rather than changes in place); neither
     ``buffers`` nor the module is ever modified. Buffers that ``buffers`` does not name are
     copied from the module, so ``new_buffers`` always holds every buffer of the module. In a
     pmapped training step, each replica gets its own new statistics: keep them per replica, or
@@ -401,5 +472,7 @@ def stateful_call(
     """
     everything = {**dict(module.named_buffers()), **buffers}
     new_buffers = {name: b.clone() for name, b in everything.items()}
-    output = functional_call(module, {**params, **new_buffers}, args, kwargs)
-    return output, new_buffers
+    given = {**params, **new_buffers}
+    output = functional_call(module, given, args, kwargs)
+    # A buffer that forward reassigned (self.count = self.count + 1) came back in ``given``.
+    return output, {name: given[name] for name in new_buffers}

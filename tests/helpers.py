@@ -28,7 +28,7 @@ def cpus(n: int) -> list[str]:
     return ["cpu"] * n
 
 
-def assert_trees_close(actual, expected, *, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+def assert_trees_close(actual, expected, *, atol: float = 1e-6, rtol: float = 1e-5, msg: Any = None) -> None:
     import optree
 
     a_leaves, a_spec = optree.tree_flatten(actual, namespace="fdp")
@@ -36,9 +36,9 @@ def assert_trees_close(actual, expected, *, atol: float = 1e-6, rtol: float = 1e
     assert a_spec == e_spec, (a_spec, e_spec)
     for a, e in zip(a_leaves, e_leaves):
         if isinstance(e, torch.Tensor):
-            torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
+            torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=None if msg is None else f"{msg}")
         else:
-            assert a == e
+            assert a == e, msg
 
 
 def finishes(call: Callable[[], Any], seconds: float = 20.0) -> Any:

@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import assert_trees_close
 from torch import nn
 
 import fdp
@@ -145,11 +146,14 @@ def test_a_plain_tree_takes_the_direct_swap_and_matches_torch() -> None:
     torch.testing.assert_close(ours_given["norm.running_mean"], theirs_given["norm.running_mean"])
 
 
-def test_a_buffer_that_forward_reassigns_comes_back_in_the_callers_dict() -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_buffer_that_forward_reassigns_comes_back_in_the_callers_dict(tied: bool) -> None:
     class Counter(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.register_buffer("count", torch.zeros(()))
+            if tied:
+                self.register_buffer("count_too", self.count)
 
         def forward(self, x):
             self.count = self.count + 1  # a new tensor, not an in-place change
@@ -160,7 +164,7 @@ def test_a_buffer_that_forward_reassigns_comes_back_in_the_callers_dict() -> Non
     assert ours_given["count"].item() == theirs_given["count"].item() == 5.0
 
 
-def test_a_submodule_reached_by_two_paths_is_left_to_torch() -> None:
+def test_a_submodule_reached_by_two_paths_takes_the_direct_swap_and_matches_torch() -> None:
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -172,7 +176,7 @@ def test_a_submodule_reached_by_two_paths_is_left_to_torch() -> None:
 
     net = Shared()
     skeleton = _functional_call._checkout(net)
-    assert skeleton.by_path is None
+    assert skeleton.by_path is not None and set(skeleton.tied) == {"a.weight", "b.weight"}
     _functional_call._release(net, skeleton)
     x = torch.ones(1, 2)
     (ours, _), (theirs, _) = _both(net, {"b.weight": torch.eye(2) * 3}, x)
@@ -181,6 +185,99 @@ def test_a_submodule_reached_by_two_paths_is_left_to_torch() -> None:
     conflicting = {"a.weight": torch.eye(2), "b.weight": torch.eye(2) * 3}
     ours, theirs = _both(net, conflicting, x)
     assert ours[0] is theirs[0] and issubclass(ours[0], Exception) and ours[1] == theirs[1]
+
+
+class TiedLM(nn.Module):
+    """Tied weights as language models tie them (the embedding is the output layer), a buffer
+    under two names, a submodule under two names, and a three-way tie."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.proj = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(()))
+        self.proj.register_buffer("scale_too", self.scale)
+        self.again = self.proj
+        self.third = nn.Linear(5, 5, bias=False)
+        self.fourth = nn.Linear(5, 5, bias=False)
+        self.fourth.weight = self.third.weight
+        self.sixth = nn.Linear(5, 5, bias=False)
+        self.sixth.weight = self.third.weight
+
+    def forward(self, tokens):
+        h = torch.tanh(self.again(self.proj(self.embed(tokens)))) * self.proj.scale_too
+        return self.sixth(self.fourth(self.third(self.head(h)))) * self.scale
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_tied_weights_take_the_direct_swap_and_match_torch(tie_weights: bool) -> None:
+    net = TiedLM()
+    tokens = torch.tensor([[0, 1, 4], [2, 3, 3]])
+    skeleton = _functional_call._checkout(net)
+    assert skeleton.by_path is not None
+    assert {"embed.weight", "head.weight", "proj.weight", "again.weight", "scale", "proj.scale_too"} <= set(
+        skeleton.tied
+    )
+    _functional_call._release(net, skeleton)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    w, p, t = torch.randn(5, 3, generator=g), torch.randn(3, 3, generator=g), torch.randn(5, 5, generator=g)
+    s, other = torch.tensor(2.0), torch.randn(5, 3, generator=g)
+    for params in (
+        {"embed.weight": w},
+        {"head.weight": w},
+        {"embed.weight": w, "head.weight": w},  # every name, one value
+        {"embed.weight": w, "head.weight": other},  # torch refuses: two values for one tensor
+        {"again.weight": p},
+        {"proj.weight": p, "again.weight": p},
+        {"proj.scale_too": s},
+        {"scale": s, "proj.weight": p},
+        {"fourth.weight": t},
+        {"third.weight": t, "fourth.weight": t},  # two of three names: left to torch
+        {"third.weight": t, "fourth.weight": t, "sixth.weight": t},
+    ):
+        clones = {id(v): v.clone().requires_grad_(v.dim() > 0) for v in params.values()}
+        leaves = {k: clones[id(v)] for k, v in params.items()}  # one tensor given twice stays one
+        results = []
+        # torch's call gets a twin: on a submodule under two names it leaves the given tensor
+        # in the module (torch 2.13 restores the first name, then the second to the given one:
+        # pytorch/pytorch#164759).
+        for call, module in ((fdp.functional_call, net), (torch.func.functional_call, copy.deepcopy(net))):
+            given = dict(leaves)
+            try:
+                out = call(module, given, (tokens,), tie_weights=tie_weights)
+            except Exception as error:  # noqa: BLE001 - compared below
+                results.append((type(error), str(error)))
+                continue
+            wrt = [v for v in leaves.values() if v.requires_grad]
+            grads = torch.autograd.grad(out.square().sum(), wrt, allow_unused=True) if wrt else []
+            # (The given dicts are not compared: where torch leaves a tensor in the module, it
+            # also writes the module's own tensor back into the dict, for a name it restored.)
+            results.append((out.detach(), [None if g is None else g.detach() for g in grads]))
+        ours, theirs = results
+        if isinstance(theirs[0], type):
+            assert ours == theirs, params
+        else:
+            assert_trees_close(ours, theirs, msg=params)
+        for k, v in net.state_dict().items():  # fdp's module untouched
+            assert torch.equal(v, before[k]), k
+
+
+def test_a_module_inside_itself_is_left_to_torch() -> None:
+    net = Net()
+    net.fc.owner = net  # a cycle: torch's walk for tied names never ends
+    skeleton = _functional_call._checkout(net)
+    assert skeleton.by_path is None
+    _functional_call._release(net, skeleton)
+    params = {"fc.weight": torch.ones(3, 4)}
+    for tie_weights in (True, False):
+        ours, theirs = _both(net, params, torch.randn(2, 4), tie_weights=tie_weights)
+        if tie_weights:
+            assert ours[0] is theirs[0] is RecursionError
+        else:
+            torch.testing.assert_close(ours[0], theirs[0])
 
 
 def test_parametrized_modules_and_unusual_arguments_are_left_to_torch() -> None:
@@ -255,7 +352,7 @@ def test_every_change_to_the_tree_between_calls_of_one_skeleton_is_seen() -> Non
     fdp.functional_call(net, given, (x,))
     (skeleton,) = _functional_call._FREE[net]
 
-    def check(direct: bool = True, **names: torch.Tensor) -> None:
+    def check(**names: torch.Tensor) -> None:
         for _ in range(2):  # the second call on the skeleton the first one refreshed
             ours, theirs = _both(net, {**given, **names}, x)
             if isinstance(theirs[0], torch.Tensor):
@@ -263,17 +360,19 @@ def test_every_change_to_the_tree_between_calls_of_one_skeleton_is_seen() -> Non
             else:
                 assert ours == theirs
         assert _functional_call._FREE[net] == [skeleton]  # not rebuilt: the modules are the same
-        assert (skeleton.by_path is not None) == direct  # ties are left to torch
+        assert skeleton.by_path is not None  # ties included
 
     check()
     net.a, net.b = net.b, net.a  # the names swapped: "a.weight" is the other module's now
     check()
     net.b.weight = net.a.weight  # tied: the given weight is both modules'
-    check(direct=False)
+    check()
+    check(**{"b.weight": torch.eye(2)})
     net.b.weight = nn.Parameter(torch.randn(2, 2))  # untied again
     check()
     net.c = net.a  # one module under two names
-    check(direct=False)
+    check()
+    check(**{"c.weight": torch.eye(2)})
     del net.c
     check()
     del net.a.weight
@@ -361,11 +460,27 @@ def test_activation_checkpointing_inside_forward_recomputes_with_the_calls_own_t
         torch.testing.assert_close(ours, expected)
 
 
-def test_checkpointing_where_torchs_own_swap_runs_raises_in_backward_rather_than_mix_tensors() -> None:
+def test_checkpointing_with_tied_weights_and_shared_submodules() -> None:
     net = Checkpointed()
     net.b.weight = nn.Parameter(net.a.weight[:1].detach().clone())
-    net.c = net.a  # a submodule under two names: torch.func.functional_call's own swap runs
-    with pytest.raises(AttributeError):
+    net.c = net.a  # a submodule under two names
+    net.register_parameter("tied", net.b.bias)  # a tensor under two names
+    for ours, expected in zip(
+        checkpointed_grads(fdp.functional_call, net, 0), checkpointed_grads(unchecked, net, 0)
+    ):
+        torch.testing.assert_close(ours, expected)
+
+
+def test_checkpointing_where_torchs_own_swap_runs_raises_in_backward_saying_why() -> None:
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+    net = Checkpointed()
+    parametrize.register_parametrization(net.a, "weight", Symmetric())
+    with pytest.raises(AttributeError, match="most likely activation checkpointing"):
         checkpointed_grads(fdp.functional_call, net, 0)
     assert len(_functional_call._FREE.get(net, [])) == 0  # the held skeletons were not reused
 
@@ -443,6 +558,21 @@ def test_stateful_call_never_modifies_the_module() -> None:
     out, new = fdp.stateful_call(bn, dict(bn.named_parameters()), {}, (torch.randn(6, 3),))
     assert all(torch.equal(before[k], v) for k, v in bn.named_buffers())
     assert set(new) == set(before) and int(new["num_batches_tracked"]) == 1
+
+
+def test_stateful_call_returns_a_buffer_that_forward_reassigns() -> None:
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, x):
+            self.steps = self.steps + 1  # a new tensor, not an in-place change
+            return x
+
+    net = Counting()
+    _, new = fdp.stateful_call(net, {}, {"steps": torch.tensor(4.0)}, (torch.ones(2),))
+    assert new["steps"].item() == 5.0 and net.steps.item() == 0.0
 
 
 def test_under_torch_compile_it_is_one_graph_of_the_given_tensors() -> None:
