@@ -69,12 +69,6 @@ class Pmapped(Generic[P, R]):
         what = self._caller
         self.in_axes = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
         self.out_axes = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
-        self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
-        self._lone: _pool.LoneReplica | None = None  # with the devices: one replica's runner
-        # Whether the last call's lone replica needed the arguments' exact structure (trees
-        # rebuilt with resident values, or the general path): the next call then flattens
-        # exactly from the start, not along the last structure first.
-        self._lone_exact = False
         self.axis_name = axis_name
         self.split = _split.check_split(split, what=f"{what} split")
         self._devices_arg = (
@@ -92,14 +86,31 @@ class Pmapped(Generic[P, R]):
             raise TypeError(f"{what}: static_argnums must be an int or ints, got {static_argnums!r}")
         self.static_argnums = argnums
         self.check_unmapped_outputs = bool(check_unmapped_outputs)
+        self._compile = compile
+        # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
+        self.rename_paths: Callable[[str], str] | None = None
+        self._start_afresh()
+        if not self.is_module:
+            # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
+            functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
+
+    def _start_afresh(self) -> None:
+        """Sets up what calls learn and keep: caches, the lone replica's runner, timings, and
+        with compile the compiled function."""
         # With compile: what every replica calls, compiled once and shared by the replicas: fn,
         # or for a module a functional call into a private skeleton of it (made outside the
         # compiled code, so that graph breaks in forward swap tensors into no shared module).
         self._compiled = _compile.compiled(
-            _compile.own_code(_functional_call.swapped_call) if self.is_module else fn, compile, what=what
+            _compile.own_code(_functional_call.swapped_call) if self.is_module else self.fn,
+            self._compile,
+            what=self._caller,
         )
-        # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
-        self.rename_paths: Callable[[str], str] | None = None
+        self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
+        self._lone: _pool.LoneReplica | None = None  # with the devices: one replica's runner
+        # Whether the last call's lone replica needed the arguments' exact structure (trees
+        # rebuilt with resident values, or the general path): the next call then flattens
+        # exactly from the start, not along the last structure first.
+        self._lone_exact = False
         self._inputs = _tree.LastStructure()  # calls mostly repeat one argument structure
         self._plans: _tree.SpecCache[_Plan] = _tree.SpecCache()
         self._out_plans: _tree.SpecCache[_gather.OutputPlan] = _tree.SpecCache()
@@ -107,9 +118,24 @@ class Pmapped(Generic[P, R]):
         self._timing = _pool.Timing()  # how long replicas run: small ones run inline
         # When the replicas of the compiled function must take turns (while dynamo compiles).
         self._turns = _compile.Turns() if self._compiled is not None else None
-        if not self.is_module:
-            # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
-            functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
+
+    # A copy (copy.deepcopy, pickle, torch.save of a module holding one: an EMA twin of an
+    # fdp.DataParallel model, a checkpoint) takes the configuration, not what calls learned,
+    # which holds locks and compiled code.
+    _LEARNED = (
+        "_compiled", "_resolved", "_lone", "_lone_exact", "_inputs", "_plans", "_out_plans",
+        "_outputs", "_timing", "_turns",
+    )  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._LEARNED:
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_afresh()
 
     def __repr__(self) -> str:
         return f"<{self._caller} in_axes={self.in_axes!r} out_axes={self.out_axes!r}>"

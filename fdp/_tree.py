@@ -8,7 +8,8 @@ and so are, from the first time one is seen:
   is adopted in fdp's), and
 * plain ``@dataclass`` instances, which optree treats as leaves: they are registered field by
   field, so users never have to register them and their fields are scattered like any other
-  container's.
+  container's; not a ``torch.nn.Module`` written as a dataclass, which stays a leaf, as every
+  module does.
 """
 
 from __future__ import annotations
@@ -257,7 +258,13 @@ def _register_new_node_types(leaves: Sequence[Any]) -> bool:
             namespaces = _namespaces_registering(cls)
             if namespaces:
                 _adopt_registration(cls, namespaces)
-            elif dataclasses.is_dataclass(cls) and cls not in OPAQUE_DATACLASSES:
+            elif (
+                dataclasses.is_dataclass(cls)
+                and cls not in OPAQUE_DATACLASSES
+                # A module written as a dataclass is an object with state, like any module:
+                # rebuilt from its fields it would be a new module (new weights, too).
+                and not issubclass(cls, torch.nn.Module)
+            ):
                 _register_dataclass(cls)
                 if cls in OPAQUE_DATACLASSES:
                     _SEEN_LEAF_TYPES.add(cls)

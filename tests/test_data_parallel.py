@@ -323,13 +323,95 @@ def test_a_call_without_tensors_runs_once_on_the_first_device(n: int) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.ones(3))
+            self.calls = 0
 
         def forward(self, k=2):
+            self.calls += 1  # on one device the module itself runs, as with a tensor
             return self.w * k
 
-    model = fdp.DataParallel(Scaled(), device_ids=cpus(n))
+    net = Scaled()
+    model = fdp.DataParallel(net, device_ids=cpus(n))
     torch.testing.assert_close(model(), torch.full((3,), 2.0))
     torch.testing.assert_close(model(3), torch.full((3,), 3.0))
+    assert net.calls == (2 if n == 1 else 0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_module_written_as_a_dataclass_runs_with_its_own_weights(n: int) -> None:
+    @dataclasses.dataclass(eq=False)
+    class Dense(nn.Module):
+        width: int = 3
+
+        def __post_init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(self.width, 1)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    class Marked(torch.Tensor):  # a subclass: not the one-replica fast path of plain tensors
+        pass
+
+    net, x = Dense(), torch.randn(4, 3)
+    out = fdp.DataParallel(net, device_ids=cpus(n))(x.as_subclass(Marked))
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), net(x))
+    out.sum().backward()
+    assert net.fc.weight.grad is not None
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_buffer_that_forward_reassigns_is_kept_in_training(n: int) -> None:
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, x):
+            self.steps = self.steps + 1  # a new tensor, not an in-place change
+            return self.fc(x)
+
+    model = fdp.DataParallel(Counting(), device_ids=cpus(n))
+    for _ in range(3):
+        model(torch.randn(4, 2))
+    assert model.module.steps.item() == 3.0
+
+
+def test_buffers_are_averaged_at_full_precision_under_autocast() -> None:
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4)
+    with torch.no_grad():
+        norm.running_mean.fill_(1.2345678)
+    oracle = copy.deepcopy(norm)
+    x = torch.randn(8, 4) * 3 + 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fdp.DataParallel(norm, device_ids=cpus(2))(x)
+    # The oracle: each shard's update on its own copy, then the average in float32.
+    shards = []
+    for shard in x.chunk(2):
+        twin = copy.deepcopy(oracle)
+        twin(shard)
+        shards.append(twin.running_mean)
+    torch.testing.assert_close(norm.running_mean, (shards[0] + shards[1]) / 2, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_wrapper_that_has_run_can_be_copied_and_saved(n: int) -> None:
+    import pickle
+
+    model = fdp.DataParallel(nn.Linear(3, 2), device_ids=cpus(n))
+    x = torch.randn(4, 3)
+    model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (
+        copy.deepcopy(model),
+        pickle.loads(pickle.dumps(model)),
+        torch.load(buffer, weights_only=False),
+    ):
+        assert twin.module is not model.module
+        torch.testing.assert_close(twin(x), model(x))
 
 
 @pytest.mark.parametrize("n", [1, 2])

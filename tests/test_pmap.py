@@ -320,6 +320,41 @@ def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
     assert out.tolist() == [3, 2]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_module_written_as_a_dataclass_is_a_leaf_not_rebuilt(n: int) -> None:
+    built: list[int] = []
+
+    @dataclasses.dataclass(eq=False)
+    class Scaled(nn.Module):
+        width: int = 3
+
+        def __post_init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(self.width, 1)  # new random weights when rebuilt
+            built.append(self.width)
+
+    module = Scaled()
+    x = torch.randn(4, 3)
+    out = fdp.pmap(lambda m, x: m.fc(x), in_axes=(None, 0), devices=cpus(n))(module, x)
+    torch.testing.assert_close(out, module.fc(x))
+    assert built == [3]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_copies_and_pickles_take_the_configuration_not_what_calls_learned(n: int) -> None:
+    import copy
+    import pickle
+
+    mapped = fdp.pmap(torch.neg, in_axes=0, devices=cpus(n))
+    x = torch.randn(4, 3)
+    mapped(x)  # caches, a lone replica's runner and timings, some holding locks
+    for twin in (copy.deepcopy(mapped), pickle.loads(pickle.dumps(mapped))):
+        torch.testing.assert_close(twin(x), -x)
+        assert twin._inputs is not mapped._inputs
+    compiled = fdp.pmap(torch.neg, devices=cpus(n), compile=True)
+    assert copy.deepcopy(compiled)._compiled is not compiled._compiled  # compiled afresh
+
+
 def test_dataclass_without_init_is_a_clear_error() -> None:
     @dataclasses.dataclass(init=False)
     class NoInit:
