@@ -108,7 +108,7 @@ class DataParallel(nn.Module):
         )
         self._mapped._caller = "fdp.DataParallel"
         # The user's inputs are the pmapped function's args[4] (positional) and args[5] (keyword).
-        self._mapped.rename_paths = functools.partial(_user_path, 4)
+        self._mapped.rename_paths = functools.partial(_user_path, 4, "output[0]")  # (output, state)
         # One device that holds the whole module: the module itself runs there, as
         # nn.DataParallel runs it on one device (see forward).
         self._direct: _pmap.Pmapped[..., Any] | None = None
@@ -122,7 +122,7 @@ class DataParallel(nn.Module):
                 split=split,
             )
             self._direct._caller = "fdp.DataParallel"
-            self._direct.rename_paths = functools.partial(_user_path, 1)
+            self._direct.rename_paths = functools.partial(_user_path, 1, None)
         self._placed: tuple[Any, Any] | None = None  # (key, PerReplica parameters)
         # Whether a parameter already on the devices is handed to the replicas as it is: one
         # device, or CPU replicas sharing it (no replica gets a view: see
@@ -268,12 +268,15 @@ def _call_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     return module(*args, **kwargs)
 
 
-def _user_path(first: int, path: str) -> str:
-    """A key path of the pmapped function's arguments as the user's, for messages: its
-    ``args[first]`` and ``args[first + 1]`` are the user's positional ``inputs`` and keyword
-    ``kwargs``. (Bound with functools.partial, which pickles: the wrapper may be saved.)"""
-    for offset, name in ((0, "inputs"), (1, "kwargs")):
-        position = f"args[{first + offset}]"
+def _user_path(first: int, output: str | None, path: str) -> str:
+    """A key path of the pmapped function's arguments or output as the user's, for messages:
+    its ``args[first]`` and ``args[first + 1]`` are the user's positional ``inputs`` and
+    keyword ``kwargs``, and ``output`` (if given) is the user's ``output``. (Bound with
+    functools.partial, which pickles: the wrapper may be saved.)"""
+    renames = [(f"args[{first}]", "inputs"), (f"args[{first + 1}]", "kwargs")]
+    if output is not None:
+        renames.append((output, "output"))
+    for position, name in renames:
         if path.startswith(position):
             return name + path[len(position) :]
     return path

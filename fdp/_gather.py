@@ -16,7 +16,7 @@ and the public :func:`gather` both use it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -73,13 +73,15 @@ def gather_outputs(
     devices: Sequence[torch.device] | None = None,
     inputs: Sequence[Any] = (),
     structure: _tree.LastStructure | None = None,
+    rename: Callable[[str], str] | None = None,
 ) -> Any:
     """Joins the replicas' output trees on ``destination``; ``out_axes`` is a checked spec.
 
     ``plans`` caches the plan of every output structure; ``structure`` flattens replica 0's
     output along the last call's and keeps its plan (both kept by ``fdp.pmap`` per function).
     ``devices`` are the replicas' devices and ``inputs`` the call's input leaves, for
-    ``PER_REPLICA`` outputs (see :func:`_own_copies`).
+    ``PER_REPLICA`` outputs (see :func:`_own_copies`). ``rename`` rewrites the key paths that
+    messages name (a wrapper's own output tree is not the user's).
     """
     lone = len(outputs) == 1
     # A lone replica's output is returned as it is where it can be, with nothing rebuilt from
@@ -122,7 +124,11 @@ def gather_outputs(
             own = _own_copies(values, taken)
             joined.append(_state.PerReplica(own, devices or [_device_of(v, destination) for v in own]))
         else:
-            joined.append(_join(values, axis, destination, k, caller=caller, check=check, outputs=outputs))
+            joined.append(
+                _join(
+                    values, axis, destination, k, caller=caller, check=check, outputs=outputs, rename=rename
+                )
+            )
     return _tree.unflatten(treespec, joined)
 
 
@@ -248,6 +254,7 @@ def _join(
     caller: str,
     check: bool,
     outputs: Sequence[Any],
+    rename: Callable[[str], str] | None = None,
 ) -> Any:
     """One output leaf from every replica's value at position ``k``."""
     first = values[0]
@@ -266,7 +273,8 @@ def _join(
 
     # Everything else, checked: non-tensor values, mixes, 0-dim, axis None, errors.
     def path() -> str:
-        return _tree.flatten_with_paths(outputs[0], "output")[0][k]
+        found: str = _tree.flatten_with_paths(outputs[0], "output")[0][k]
+        return found if rename is None else rename(found)
 
     tensors = [isinstance(v, torch.Tensor) for v in values]
     if not any(tensors):

@@ -241,6 +241,7 @@ class Pmapped(Generic[P, R]):
             structure=self._outputs,
             devices=run_on,
             inputs=leaves,
+            rename=self.rename_paths,
         )
 
     def _arguments(

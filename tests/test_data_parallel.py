@@ -727,3 +727,12 @@ def test_errors_name_the_inputs() -> None:
         model(torch.zeros(4, 2), torch.zeros(3, 2))
     with pytest.raises(ValueError, match=r"axis 0 of kwargs\['input2'\] of type float32\[3,2\]"):
         model(torch.zeros(4, 2), input2=torch.zeros(3, 2))
+
+
+def test_errors_name_the_outputs_as_the_module_returned_them() -> None:
+    class Signed(nn.Module):
+        def forward(self, x):
+            return {"x": x, "sign": "+" if x.sum() > 0 else "-"}
+
+    with pytest.raises(ValueError, match=r"different non-tensor values at output\['sign'\]: replica 0"):
+        fdp.DataParallel(Signed(), device_ids=cpus(2))(torch.tensor([1.0, -1.0]))
