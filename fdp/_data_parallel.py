@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _devices, _functional_call, _pmap, _scatter, _state, _transfer, _tree
+from . import _compile, _devices, _functional_call, _pmap, _scatter, _state, _transfer, _tree
 
 __all__ = ["DataParallel"]
 
@@ -130,6 +130,10 @@ class DataParallel(nn.Module):
         # (One device runs the module itself when it holds every tensor: this serves the rest.)
         self._shared_as_is = len(set(devices)) == 1 and (len(devices) == 1 or devices[0].type == "cpu")
 
+    # Under torch.compile (of the wrapper, or of code that calls it) the forward pass is a
+    # graph break and runs eagerly, as pmap's calls do; fdp.DataParallel(torch.compile(model))
+    # compiles the module itself.
+    @_compile.eager_under_compile
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # One device that holds every parameter and buffer: a functional call of the module
         # with its own tensors is the module's own call, and buffers it updates in place are

@@ -193,6 +193,9 @@ class Pmapped(Generic[P, R]):
 
     # --- one call ------------------------------------------------------------------------------
 
+    # Inside code that torch.compile compiles, a call is a graph break and runs eagerly, all of
+    # it: dynamo cannot trace the threads, locks and optree structures a call uses.
+    @_compile.eager_under_compile
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         caller = self._caller
         # A call inside a replica is refused by the lone runner (one thread-local read) or

@@ -317,3 +317,39 @@ def test_one_replica_and_static_arguments() -> None:
 def test_bad_compile_options_are_named(option: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         fdp.pmap(lambda x: x, compile=option)
+
+
+# --- fdp inside code that the user compiles -------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_pmapped_call_inside_compiled_code_is_one_graph_break(n: int) -> None:
+    """Dynamo cannot trace a call's threads, locks and optree structures: the call runs
+    eagerly between the compiled graphs around it."""
+    recorder = GraphRecorder()
+    mapped = fdp.pmap(torch.sin, devices=cpus(n))
+    x = torch.randn(4, 3)
+    step = torch.compile(lambda x: mapped(x * 2) + 1, backend=recorder)
+    torch.testing.assert_close(step(x), torch.sin(x * 2) + 1)
+    assert recorder.graphs == {frozenset({operator.mul}), frozenset({operator.add})}
+
+
+# Dynamo reads .grad of a non-leaf tensor that an eager call returns into compiled code, and
+# torch warns about its own read (torch 2.13; also with torch.compiler.disable, without fdp).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("n", [1, 2])
+def test_data_parallel_under_torch_compile(n: int) -> None:
+    """Compiled around, fdp.DataParallel runs eagerly; compiled inside, the module is."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 3)
+    around = GraphRecorder()
+    wrapped = fdp.DataParallel(net, device_ids=cpus(n))
+    torch.testing.assert_close(torch.compile(wrapped, backend=around)(x), net(x))
+    torch.testing.assert_close(torch.compile(lambda x: wrapped(x) * 2, backend=around)(x), net(x) * 2)
+    assert around.graphs == {frozenset({operator.mul})}
+    inside = GraphRecorder()
+    torch.testing.assert_close(
+        fdp.DataParallel(torch.compile(net, backend=inside), device_ids=cpus(n))(x), net(x)
+    )
+    assert inside.calls >= 1
