@@ -70,14 +70,15 @@ class _Skeleton:
         """Empties every copy; with ``released``, for good: any attribute looked up on a copy
         then raises an ``AttributeError`` that says why (see :class:`_Released`)."""
         for copy in self._copy_list:
-            object.__setattr__(copy, "__dict__", {"_parameters": _RELEASED} if released else {})
+            object.__setattr__(copy, "__dict__", {"_parameters": _Released()} if released else {})
 
     def refresh(self) -> bool:
         """Copies the originals' current state in; False if the module tree changed shape.
 
         On the way, works out :attr:`by_path` (each submodule copy by every name it has) and
         :attr:`tied`, unless the tree holds a parametrization (left to torch's own call, to be
-        safe) or a cycle.
+        safe), a cycle, or submodules shared inside each other so often that their paths would
+        be too many to list.
         """
         direct = self._direct_ok
         copies = self._copies
@@ -113,12 +114,13 @@ class _Skeleton:
             # above; ids keep nothing alive, and an idle skeleton must hold nothing). Equal to
             # the last call's, the usual case, by_path is still right: for a transformer of a
             # few dozen modules, not working it out again takes a third off this method.
-            tensor_ids = list(map(id, chain.from_iterable(map(dict.values, tensors_met))))
             layout = (
                 list(map(len, children_met)),
                 list(chain.from_iterable(children_met)),
                 list(map(id, chain.from_iterable(map(dict.values, children_met)))),
-                tensor_ids,
+                list(map(len, tensors_met)),
+                list(chain.from_iterable(tensors_met)),  # the tensors' names: :attr:`tied` has them
+                list(map(id, chain.from_iterable(map(dict.values, tensors_met)))),
             )
             if layout != self._layout:
                 self.by_path, self.tied = self._paths() or (None, {})
@@ -133,6 +135,9 @@ class _Skeleton:
         ``named_parameters(remove_duplicate=False)`` does, which is how
         ``torch.func.functional_call`` finds the names it ties."""
         by_path: dict[str, nn.Module] = {"": self.root}
+        # Shared submodules multiply the paths; shared inside each other, exponentially (2**16
+        # for one shared at 16 levels): past this many, the tree is left to torch.
+        most = 64 * len(self._pairs) + 1024
         names: dict[int, list[tuple[str, nn.Module, str]]] = {}  # by tensor: its names
         walk: list[tuple[str, nn.Module, tuple[int, ...]]] = [("", self.root, ())]
         while walk:
@@ -155,6 +160,8 @@ class _Skeleton:
                 path = f"{prefix}.{name}" if prefix else name
                 by_path[path] = child
                 walk.append((path, child, above))
+            if len(by_path) > most:
+                return None
         tied: dict[str, _Tie] = {}
         for places in names.values():
             if len(places) > 1:
@@ -209,29 +216,34 @@ def _release(
         _FREE.setdefault(module, []).append(skeleton)
 
 
-class _Released:
+class _Released(dict):  # type: ignore[type-arg]
     """The ``_parameters`` of a copy emptied while something still held it (see
-    :func:`_release`): ``nn.Module.__getattr__`` looks every missing attribute up in it first,
-    so a later use of the copy, such as a checkpoint's recomputation, fails saying why instead
-    of naming a missing ``_backward_hooks``."""
+    :func:`_release`), empty like the others. ``nn.Module.__getattr__`` looks every missing
+    attribute up in it first: that lookup raises an ``AttributeError`` that says why, so a
+    later use of the copy, such as a checkpoint's recomputation, does not fail naming a
+    missing ``_backward_hooks``. Every other test of membership (``nn.Module.__setattr__``'s,
+    say, for a backward hook that sets an attribute on its module) finds nothing, as in an
+    empty dict."""
 
     def __contains__(self, name: object) -> bool:
+        if sys._getframe(1).f_code is not _MODULE_GETATTR:
+            return False
         raise AttributeError(
             f"fdp.functional_call: no attribute {name!r}: this module is a private copy that "
             "fdp.functional_call lent to a call that has returned, emptied so that it cannot "
             "run on another call's tensors. Something made during the call kept it and used it "
             "later: most likely activation checkpointing (torch.utils.checkpoint) inside "
-            "forward, recomputing in backward. fdp.functional_call supports that, except where "
-            "it leaves the call to torch.func.functional_call: a module with parametrizations "
-            "(torch.nn.utils.parametrize), params given as a sequence of dicts, strict=True, "
-            "names that are not the module's parameters or buffers, values that are neither "
-            "tensors nor None, and several but not all names of one tied tensor, or several "
-            "values for it. There, checkpoint the whole functional call from outside, or (but "
-            "for parametrizations) pass one dict of the module's parameters and buffers."
+            "forward, recomputing in backward, or a backward hook. fdp.functional_call supports "
+            "checkpointing, except where it leaves the call to torch.func.functional_call: a "
+            "module with parametrizations (torch.nn.utils.parametrize), params given as a "
+            "sequence of dicts, strict=True, names that are not the module's parameters or "
+            "buffers, and values that are neither tensors nor None. There, checkpoint the "
+            "whole functional call from outside, or (but for parametrizations) pass one dict "
+            "of the module's parameters and buffers."
         )
 
 
-_RELEASED = _Released()
+_MODULE_GETATTR = nn.Module.__getattr__.__code__
 
 
 class private_module:
@@ -281,7 +293,8 @@ def functional_call(
     the call's own tensors in backward, also while other calls of the module run in other
     threads: a skeleton that the autograd graph still holds is never reused. (Where
     ``torch.func.functional_call``'s own swap runs on the skeleton and is undone when it
-    returns, on parametrized modules, a sequence of dicts or ``strict=True``, such a
+    returns, on parametrized modules, a sequence of dicts, ``strict=True``, names that are not
+    the module's parameters or buffers, or values that are neither tensors nor None, such a
     recomputation raises an error that says so; on the module itself,
     ``torch.func.functional_call`` would recompute with the module's own tensors.) Tied weights
     and submodules under two names are swapped as ``torch.func.functional_call`` swaps them,
@@ -410,7 +423,9 @@ def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | 
         slots[leaf] = value
     for places, value in also:
         for owner, leaf in places:
-            _slots_of(owner, leaf)[leaf] = value  # type: ignore[index]
+            slots = _slots_of(owner, leaf)
+            assert slots is not None, leaf  # the layout, names included, is that of the tie
+            slots[leaf] = value
     return swapped
 
 

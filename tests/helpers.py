@@ -36,7 +36,9 @@ def assert_trees_close(actual, expected, *, atol: float = 1e-6, rtol: float = 1e
     assert a_spec == e_spec, (a_spec, e_spec)
     for a, e in zip(a_leaves, e_leaves):
         if isinstance(e, torch.Tensor):
-            torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=None if msg is None else f"{msg}")
+            torch.testing.assert_close(
+                a, e, atol=atol, rtol=rtol, msg=None if msg is None else lambda found: f"{found}\n{msg}"
+            )
         else:
             assert a == e, msg
 

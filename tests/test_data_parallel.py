@@ -713,7 +713,9 @@ def test_no_reference_cycles() -> None:  # test_data_parallel_model_no_refcycles
     model = fdp.DataParallel(Model(), device_ids=cpus(2))
     data = torch.randn(2, 1)
     model(data)
-    gc.collect()
+    for _ in range(10):  # earlier tests' garbage: after torch.compile, each pass frees more
+        if gc.collect() == 0:
+            break
     model(data)
     assert gc.collect() == 0
 

@@ -265,6 +265,83 @@ def test_tied_weights_take_the_direct_swap_and_match_torch(tie_weights: bool) ->
             assert torch.equal(v, before[k]), k
 
 
+def test_tied_tensors_renamed_between_calls_of_one_skeleton_are_seen() -> None:
+    class Renamed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2, bias=False)
+            self.b = nn.Module()
+            self.b.register_parameter("x", self.a.weight)  # tied to a.weight
+            self.b.register_parameter("y", nn.Parameter(torch.randn(2, 2)))
+
+        def forward(self, v):
+            out = self.a(v)
+            for scale, (_, p) in zip((10, 100), sorted(self.b.named_parameters(recurse=False))):
+                out = out + scale * v @ p.T  # by name: x, then y
+            return out
+
+    net, v = Renamed(), torch.ones(1, 2)
+    given = {"a.weight": torch.eye(2)}
+
+    def check() -> None:
+        for _ in range(2):
+            torch.testing.assert_close(
+                fdp.functional_call(net, given, (v,)),
+                torch.func.functional_call(copy.deepcopy(net), given, (v,)),
+            )
+
+    check()
+    x, y = net.b.x, net.b.y
+    del net.b.x, net.b.y
+    net.b.register_parameter("y", x)  # the same tensors in the same order, the names swapped
+    net.b.register_parameter("x", y)
+    check()
+    del net.b.x  # only one name left in b, the tied one
+    check()
+
+
+def test_a_backward_hook_may_set_attributes_on_a_copy_it_holds() -> None:
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+    seen: list[torch.Tensor] = []
+
+    def remember(module, grad_input, grad_output):
+        module.last_grad = grad_output[0]  # on the copy, which the call has emptied
+        seen.append(module.last_grad)
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    parametrize.register_parametrization(net[2], "weight", Symmetric())  # torch's own swap runs
+    net[0].register_full_backward_hook(remember)
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    x = torch.ones(3, 2, requires_grad=True)  # else torch warns that the hook fires on outputs
+    fdp.functional_call(net, params, (x,)).sum().backward()
+    assert len(seen) == 1 and seen[0].shape == (3, 2)
+
+
+def test_submodules_shared_inside_each_other_too_often_are_left_to_torch() -> None:
+    class Pair(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.left = self.right = inner
+
+        def forward(self, x):
+            return self.left(x)
+
+    net: nn.Module = nn.Linear(2, 2)
+    for _ in range(12):  # 2**12 paths to the Linear
+        net = Pair(net)
+    skeleton = _functional_call._checkout(net)
+    assert skeleton.by_path is None
+    _functional_call._release(net, skeleton)
+    name = "left." * 12 + "weight"
+    ours, theirs = _both(net, {name: torch.eye(2)}, torch.ones(1, 2), tie_weights=False)
+    torch.testing.assert_close(ours[0], theirs[0])
+
+
 def test_a_module_inside_itself_is_left_to_torch() -> None:
     net = Net()
     net.fc.owner = net  # a cycle: torch's walk for tied names never ends
