@@ -86,7 +86,7 @@ class Pmapped(Generic[P, R]):
             raise TypeError(f"{what}: static_argnums must be an int or ints, got {static_argnums!r}")
         self.static_argnums = argnums
         self.check_unmapped_outputs = bool(check_unmapped_outputs)
-        self._compile = compile
+        self._compile_options = compile
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
         self._start_afresh()
@@ -102,7 +102,7 @@ class Pmapped(Generic[P, R]):
         # compiled code, so that graph breaks in forward swap tensors into no shared module).
         self._compiled = _compile.compiled(
             _compile.own_code(_functional_call.swapped_call) if self.is_module else self.fn,
-            self._compile,
+            self._compile_options,
             what=self._caller,
         )
         self._resolved: tuple[tuple[torch.device, ...], torch.device] | None = None
