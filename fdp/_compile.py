@@ -241,6 +241,12 @@ def eager_under_compile(fn: _F) -> _F:
     """
     if never_compiled(fn):
         fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
+        # What dynamo says of the break, e.g. to torch.compile(..., fullgraph=True).
+        fn._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+            f"fdp runs {fn.__qualname__} eagerly, as a graph break: it waits for or runs "
+            "replicas in other threads, which torch.compile cannot trace (fullgraph=True cannot "
+            "hold it). To compile what the replicas run, use fdp.pmap(fn, compile=True)."
+        )
     return fn
 
 

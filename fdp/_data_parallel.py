@@ -83,6 +83,14 @@ class DataParallel(nn.Module):
             raise ValueError(f"fdp.DataParallel: buffers must be 'average' or 'replica0', got {buffers!r}")
         self.module = module
         devices = _devices.resolve_devices(device_ids, what="fdp.DataParallel device_ids")
+        if len(devices) > 1 and isinstance(module, _functional_call.compiled_module_type()):
+            raise TypeError(
+                f"fdp.DataParallel(device_ids={device_ids!r}): a torch.compile'd module runs on "
+                "one device only, where the module itself runs. On several devices each replica "
+                "runs a private copy of the module with its tensors for the device, which the "
+                "compiled forward would bypass (it belongs to the module it compiled). Wrap the "
+                "module itself, or compile the replicas with fdp.pmap(model, compile=True)."
+            )
         output = (
             devices[0]
             if output_device is None
@@ -168,6 +176,14 @@ class DataParallel(nn.Module):
             replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
             self._update_buffers(buffers, replicas, [float(n) for n in rows])
         return outputs
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (an EMA twin, torch.save of the model) places its parameters anew: the copies
+        # placed for this one's devices are views or outputs of a broadcast on GPUs, which
+        # neither deepcopy nor a later call of the copy could use.
+        state = super().__getstate__()
+        state["_placed"] = None
+        return state
 
     def _place(self, params: dict[str, torch.Tensor]) -> dict[str, _state.PerReplica]:
         """The parameters on every device, copied again only when one of them changed.

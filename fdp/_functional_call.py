@@ -41,7 +41,17 @@ class _Skeleton:
         # Weak references: the cache that holds skeletons is keyed weakly by the module.
         self._pairs: list[tuple[weakref.ref[nn.Module], nn.Module]] = []
         self._copies: dict[int, tuple[weakref.ref[nn.Module], nn.Module]] = {}
-        for original in root.modules():
+        compiled = compiled_module_type()
+        for name, original in root.named_modules():
+            if isinstance(original, compiled):
+                raise TypeError(
+                    f"fdp.functional_call: {'the module' if not name else repr(name)} is a "
+                    "torch.compile'd module (OptimizedModule), whose compiled forward belongs "
+                    "to the module it compiled: a call with other tensors would run on that "
+                    "module's own. Compile around the functional call instead, e.g. "
+                    "torch.compile(lambda params, x: fdp.functional_call(model, params, (x,))), "
+                    "or use fdp.pmap(model, compile=True)."
+                )
             copy = object.__new__(type(original))
             ref = weakref.ref(original)
             self._pairs.append((ref, copy))
@@ -169,6 +179,14 @@ class _Skeleton:
                 for name, _, _ in places:
                     tied[name] = tie
         return by_path, tied
+
+
+def compiled_module_type() -> type | tuple[()]:
+    """The class of ``torch.compile``'d modules (``OptimizedModule``), for ``isinstance``; an
+    empty tuple while torch._dynamo is not loaded (there is none then, and loading it takes
+    seconds)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", ())
 
 
 _FREE: weakref.WeakKeyDictionary[nn.Module, list[_Skeleton]] = weakref.WeakKeyDictionary()

@@ -11,6 +11,7 @@ own module; this one only wires them together.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -136,6 +137,20 @@ class Pmapped(Generic[P, R]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._start_afresh()
+
+    def __reduce_ex__(self, protocol: Any) -> str | tuple[Any, ...]:
+        # A function decorated with @fdp.pmap pickles as what its module's name refers to,
+        # itself, as functions do (its fn, under that name too, could not be found by name).
+        qualname = getattr(self, "__qualname__", None)  # from fn (a module has none)
+        module = sys.modules.get(getattr(self, "__module__", ""))
+        if qualname is not None and module is not None:
+            try:
+                found = functools.reduce(getattr, qualname.split("."), module)
+            except AttributeError:
+                found = None
+            if found is self:
+                return qualname
+        return super().__reduce_ex__(protocol)
 
     def __repr__(self) -> str:
         return f"<{self._caller} in_axes={self.in_axes!r} out_axes={self.out_axes!r}>"

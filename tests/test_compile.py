@@ -349,7 +349,23 @@ def test_data_parallel_under_torch_compile(n: int) -> None:
     torch.testing.assert_close(torch.compile(lambda x: wrapped(x) * 2, backend=around)(x), net(x) * 2)
     assert around.graphs == {frozenset({operator.mul})}
     inside = GraphRecorder()
-    torch.testing.assert_close(
-        fdp.DataParallel(torch.compile(net, backend=inside), device_ids=cpus(n))(x), net(x)
-    )
-    assert inside.calls >= 1
+    compiled = torch.compile(net, backend=inside)
+    if n == 1:  # the module itself runs: compiled
+        torch.testing.assert_close(fdp.DataParallel(compiled, device_ids=cpus(n))(x), net(x))
+        assert inside.calls >= 1
+    else:  # the replicas' private copies would run the compiled module's own tensors
+        with pytest.raises(TypeError, match=r"torch.compile'd module runs on one device only"):
+            fdp.DataParallel(compiled, device_ids=cpus(n))
+
+
+def test_functional_call_refuses_a_compiled_submodule() -> None:
+    """Its compiled forward belongs to the module it compiled, whose own tensors it would use."""
+    net = nn.Sequential(torch.compile(nn.Linear(3, 2), backend="eager"), nn.ReLU())
+    with pytest.raises(TypeError, match=r"fdp.functional_call: '0' is a torch.compile'd module"):
+        fdp.functional_call(net, {}, (torch.randn(2, 3),))
+
+
+def test_a_pmapped_call_under_fullgraph_says_why_it_breaks_the_graph() -> None:
+    mapped = fdp.pmap(torch.sin, devices=cpus(2))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="fdp runs Pmapped.__call__ eagerly"):
+        torch.compile(lambda x: mapped(x) + 1, fullgraph=True, backend="eager")(torch.ones(4))

@@ -340,6 +340,18 @@ def test_a_module_written_as_a_dataclass_is_a_leaf_not_rebuilt(n: int) -> None:
     assert built == [3]
 
 
+@fdp.pmap(devices=cpus(2))
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+def test_a_decorated_function_pickles_by_name_as_functions_do() -> None:
+    import pickle
+
+    assert pickle.loads(pickle.dumps(doubled)) is doubled
+    torch.testing.assert_close(doubled(torch.ones(4)), torch.full((4,), 2.0))
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_copies_and_pickles_take_the_configuration_not_what_calls_learned(n: int) -> None:
     import copy
