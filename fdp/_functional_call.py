@@ -92,7 +92,6 @@ class _Skeleton:
         """
         direct = self._direct_ok
         copies = self._copies
-        met: list[tuple[nn.Module, dict[str, Any]]] = []  # (copy, its children), in order
         children_met: list[dict[str, Any]] = []  # the originals' children dicts, in order
         tensors_met: list[dict[str, Any]] = []  # their parameter and buffer dicts, in order
         for ref, copy in self._pairs:
@@ -116,7 +115,6 @@ class _Skeleton:
                 modules[name] = pair[1]
             object.__setattr__(copy, "__dict__", state)
             if direct:
-                met.append((copy, modules))
                 children_met.append(children)
                 tensors_met += (parameters, buffers)
         if direct:
@@ -434,9 +432,11 @@ def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | 
             if tie is not None:
                 names, places = tie
                 given = [params[other] for other in names if other in params]
-                if len(given) > 1 and (len(given) < len(names) or any(v is not value for v in given)):
-                    return None
-                also.append((places, value))
+                if len(given) == 1:  # this name alone: the tensor goes under each of the tie's
+                    also.append((places, value))
+                elif len(given) < len(names) or any(v is not value for v in given):
+                    return None  # several names given: torch's rules (and errors) decide
+                # (Every name given one tensor: each is swapped in under its own name above.)
     for _, slots, leaf, value in swapped:
         slots[leaf] = value
     for places, value in also:
