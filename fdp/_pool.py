@@ -368,7 +368,7 @@ def run_replicas(
         and _may_run_inline(all([d == _devices.CPU for d in devices]))
     ):
         return _run_in_caller(devices, replicas, caller=caller, timing=timing)
-    rng_seed = _random.active_seed()  # a call inside fdp.rng_scope: each replica gets its own
+    rng_seed = _random.call_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _call_group(n, devices, axis_name)
     if take_turns:
         group.turnstile = _replica.Turnstile(n)
@@ -412,7 +412,8 @@ def run_replicas(
                 with (
                     _replica.entered(context),
                     _thread_state.applied(state) if i > 0 else _NULL_CONTEXT,
-                    _random.replica_scope(rng_seed, i),
+                    # The replica's global index: across processes, each replica draws its own.
+                    _random.replica_scope(rng_seed, group.offset + i),
                 ):
                     if cuda_sync is not None:
                         with cuda_sync.running(i, worker, inputs[i] if inputs is not None else ()):
@@ -533,7 +534,7 @@ def _run_in_caller(
     handed to workers need (tens of microseconds on a call that may take a hundred).
     """
     n = len(replicas)
-    rng_seed = _random.active_seed()
+    rng_seed = _random.call_seed()
     state = _thread_state.capture()
     results = []
     for i, replica in enumerate(replicas):
@@ -622,7 +623,7 @@ class LoneReplica:
 
     def __call__(self, replica: Callable[..., Any], *args: Any) -> Any:
         """``replica(*args)`` as the only replica."""
-        rng_seed = _random.active_seed()
+        rng_seed = _random.call_seed()
         context = self._context
         group = None
         if context is None:
@@ -638,7 +639,7 @@ class LoneReplica:
             if rng_seed is None and self._plain:
                 return replica(*args)
             with (
-                _random.replica_scope(rng_seed, 0),
+                _random.replica_scope(rng_seed, context.group.offset),
                 torch.cuda.device(self.device) if self.device.type == "cuda" else _NULL_CONTEXT,
             ):
                 return replica(*args)

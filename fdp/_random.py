@@ -16,7 +16,9 @@ Bernoulli mask drawn from the scope. Fused attention kernels that draw dropout m
 (flash, memory-efficient, cuDNN) cannot be routed and raise inside a scope when their dropout is
 on.
 
-A pmapped call made inside a scope gives replica ``r`` the scope ``fold_in(seed, r)``.
+The ``k``-th pmapped call made inside a scope (counting from 0) gives replica ``r`` the scope
+``fold_in(fold_in(seed, k), r)``: like the scope's own draws, successive calls draw anew, and a
+loop of training steps inside one scope does not repeat its dropout masks.
 ``torch.utils.checkpoint`` recomputes its region during backward, outside the scope: pass
 ``context_fn=fdp.rng_checkpoint_context`` (with ``use_reentrant=False``) so the recomputation
 draws the same masks.
@@ -36,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives
 
-__all__ = ["fold_in", "replica_seed", "rng_scope", "rng_checkpoint_context", "active_seed"]
+__all__ = ["fold_in", "replica_seed", "rng_scope", "rng_checkpoint_context", "call_seed", "active_depth"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -133,6 +135,7 @@ class _RngMode(TorchDispatchMode):
     def __init__(self, seed: int, states: dict[torch.device, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.seed = seed
+        self.calls = 0  # pmapped calls made in this scope so far (see call_seed)
         self.generators: dict[torch.device, torch.Generator] = {}
         for device, state in (states or {}).items():
             self.generator(device).set_state(state)
@@ -202,9 +205,18 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 
 
-def active_seed() -> int | None:
-    """The seed of this thread's innermost :func:`rng_scope`, or None outside any."""
-    return _ACTIVE.modes[-1].seed if _ACTIVE.modes else None
+def call_seed() -> int | None:
+    """The seed of a pmapped call made now, or None outside any :func:`rng_scope`.
+
+    Inside a scope of seed ``s``, the ``k``-th call gets ``fold_in(s, k)`` (and its replica ``r``
+    the scope ``fold_in(fold_in(s, k), r)``: :func:`replica_scope`). The scope's own generators
+    are left where they are: a call in the scope changes none of the block's other draws.
+    """
+    if not _ACTIVE.modes:
+        return None
+    mode = _ACTIVE.modes[-1]
+    k, mode.calls = mode.calls, mode.calls + 1
+    return fold_in(mode.seed, k)
 
 
 def active_depth() -> int:
@@ -226,8 +238,9 @@ def rng_scope(seed: int) -> contextlib.AbstractContextManager[None]:
     """Random ops in the block draw from generators seeded with ``seed``, not the global one.
 
     Works anywhere and affects the current thread only. Inside a mapped function, pass
-    :func:`replica_seed` so that every replica draws differently and reproducibly; a pmapped
-    call made inside a scope gives replica ``r`` the scope ``fold_in(seed, r)``.
+    :func:`replica_seed` so that every replica draws differently and reproducibly. The ``k``-th
+    pmapped call made inside a scope (counting from 0) gives replica ``r`` the scope
+    ``fold_in(fold_in(seed, k), r)``: successive calls draw anew, as successive draws do.
 
     Args:
         seed: the seed of the block's generators (one per device, derived from it).
@@ -272,7 +285,7 @@ def rng_checkpoint_context() -> tuple[
 
 
 def replica_scope(seed: int | None, index: int) -> contextlib.AbstractContextManager[None]:
-    """The scope replica ``index`` runs in when its call was made inside ``rng_scope(seed)``."""
+    """The scope replica ``index`` runs in, for a call whose :func:`call_seed` is ``seed``."""
     if seed is None:
         return contextlib.nullcontext()
     return rng_scope(fold_in(seed, index))

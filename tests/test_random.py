@@ -82,9 +82,34 @@ def test_a_pmapped_call_inside_a_scope_gives_each_replica_its_own() -> None:
         second = f(torch.ones(2, 64))
     assert torch.equal(first, second)
     assert not torch.equal(first[0], first[1])
-    with fdp.rng_scope(fdp.fold_in(5, 1)):
+    with fdp.rng_scope(fdp.fold_in(fdp.fold_in(5, 0), 1)):
         replica_1 = F.dropout(torch.ones(1, 64), 0.5)
     assert torch.equal(first[1:], replica_1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_successive_calls_in_one_scope_draw_anew(n: int) -> None:
+    # As successive draws on one device do: a training loop inside one scope must not repeat
+    # its dropout masks from step to step.
+    f = fdp.pmap(lambda x: F.dropout(x, 0.5), devices=cpus(n))
+    x = torch.ones(n, 64)
+    with fdp.rng_scope(5):
+        first, second = f(x), f(x)
+        between = torch.rand(8)
+    assert not torch.equal(first, second)
+    with fdp.rng_scope(5):
+        assert torch.equal(f(x), first) and torch.equal(f(x), second)  # reproducible
+        assert torch.equal(torch.rand(8), between)  # the calls leave the scope's draws alone
+    for r in range(n):
+        with fdp.rng_scope(fdp.fold_in(fdp.fold_in(5, 1), r)):
+            assert torch.equal(second[r : r + 1], F.dropout(torch.ones(1, 64), 0.5))
+
+
+def test_data_parallel_forwards_in_one_scope_draw_anew() -> None:
+    model = fdp.DataParallel(torch.nn.Dropout(0.5), device_ids=cpus(2))
+    with fdp.rng_scope(0):
+        masks = [model(torch.ones(4, 32)) for _ in range(3)]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
 
 
 def test_checkpoint_recomputes_the_same_masks() -> None:
