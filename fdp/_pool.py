@@ -415,11 +415,14 @@ def run_replicas(
                     # The replica's global index: across processes, each replica draws its own.
                     _random.replica_scope(rng_seed, group.offset + i),
                 ):
+                    # Replica 0 runs in the caller's own context; the others each in a copy
+                    # of it as it was at the call (see _thread_state.ThreadState.context).
+                    run = replicas[i] if i == 0 else functools.partial(state.context.copy().run, replicas[i])
                     if cuda_sync is not None:
                         with cuda_sync.running(i, worker, inputs[i] if inputs is not None else ()):
-                            results[i] = replicas[i]()
+                            results[i] = run()
                     else:
-                        results[i] = replicas[i]()
+                        results[i] = run()
             except BaseException as error:  # noqa: BLE001 - every failure goes to the caller
                 errors[i] = error
                 group.abort(i, error)
@@ -547,7 +550,7 @@ def _run_in_caller(
                 _thread_state.applied(state) if i else _NULL_CONTEXT,
                 _random.replica_scope(rng_seed, i),
             ):
-                results.append(replica())
+                results.append(state.context.copy().run(replica) if i else replica())
         except BaseException as error:
             errors: list[BaseException | None] = [None] * n
             errors[i] = error

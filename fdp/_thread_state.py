@@ -1,7 +1,8 @@
 """The caller's thread-local torch state, carried into the replica threads.
 
 Grad mode, inference mode, autocast, the default saved-tensor hooks and the number of intra-op
-threads are thread-local in torch.
+threads are thread-local in torch, and ``contextvars`` values are per thread in Python (user code
+keeps settings there, and so does some of torch's configuration).
 A worker thread starts with none of them, so each task captures the caller's state and the
 worker enters it around the replica. ``nn.DataParallel`` carries only grad mode and the autocast
 *enabled* flag, so a bfloat16 autocast region runs in float16 on its replicas; here the dtype,
@@ -15,6 +16,7 @@ shared between threads.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,6 +41,10 @@ class ThreadState(NamedTuple):  # immutable, and cheap to build on every call
     # torch.set_num_threads: each thread keeps the value it had when it first ran a parallel
     # kernel, so a worker started earlier would ignore a later call in the caller's thread.
     num_threads: int
+    # The caller's contextvars, copied at the call: each replica but 0 (which runs in the
+    # caller's own) runs in a copy of its own, since a context is entered by one thread at a time
+    # and what one replica sets must not reach another.
+    context: contextvars.Context
 
 
 def capture() -> ThreadState:
@@ -55,6 +61,7 @@ def capture() -> ThreadState:
         autocast_cache=torch.is_autocast_cache_enabled() if autocast else True,
         saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),  # type: ignore[attr-defined]
         num_threads=torch.get_num_threads(),
+        context=contextvars.copy_context(),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import subprocess
 import sys
 import textwrap
@@ -196,6 +197,36 @@ def test_inline_replicas_get_the_callers_state_even_if_replica_0_changed_it(
         mapped(torch.ones(3))
         torch.set_grad_enabled(True)
         assert seen == [True, True, True]
+
+
+_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("_SCALE", default=1.0)
+
+
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_inline_replicas_get_the_callers_contextvars_even_if_replica_0_changed_them(
+    monkeypatch: pytest.MonkeyPatch, axis_name: str | None
+) -> None:
+    # Without an axis name, the caller runs them one after another from the start; with one,
+    # it runs them when replica 0 returns without meeting them in a collective.
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    names: list[str] = []
+
+    def f(x):
+        names.append(threading.current_thread().name)
+        value = x * _SCALE.get()
+        _SCALE.set(-1.0)  # must not reach the next replica
+        return value
+
+    mapped = fdp.pmap(f, devices=cpus(3), axis_name=axis_name)
+    token = _SCALE.set(10.0)
+    try:
+        for _ in range(3):
+            _SCALE.set(10.0)
+            names.clear()
+            assert mapped(torch.ones(3)).tolist() == [10.0] * 3
+        assert names == [threading.current_thread().name] * 3  # all three ran inline
+    finally:
+        _SCALE.reset(token)
 
 
 def test_failing_inline_replica_reports_like_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:

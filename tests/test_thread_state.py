@@ -3,6 +3,7 @@ thread count reach every replica."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import pytest
@@ -134,3 +135,28 @@ def test_set_num_threads_after_the_workers_started_reaches_them() -> None:
             assert f(torch.zeros(3)).tolist() == [threads] * 3
     finally:
         torch.set_num_threads(before)
+
+
+SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("SCALE", default=1.0)
+
+
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    value = x * SCALE.get()
+    SCALE.set(-1.0)  # reaches no other replica, and no later call's replicas but 0
+    return value
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_contextvars_reach_every_replica(n: int) -> None:
+    """A ContextVar set before the call reads the same on every replica, whichever thread runs
+    it; what a replica sets stays with it (replica 0 runs in the caller's own context, as a
+    plain call would)."""
+    f = fdp.pmap(scaled, devices=cpus(n))
+    token = SCALE.set(10.0)
+    try:
+        for _ in range(2):
+            SCALE.set(10.0)
+            assert f(torch.ones(n)).tolist() == [10.0] * n
+        assert SCALE.get() == -1.0  # replica 0's setting, in the caller's context
+    finally:
+        SCALE.reset(token)
