@@ -16,6 +16,7 @@ and the public :func:`gather` both use it.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,10 +31,19 @@ __all__ = ["gather", "gather_outputs"]
 def _equal(a: Any, b: Any) -> bool:
     if a is b:
         return True
+    numpy = sys.modules.get("numpy")  # only if the program uses it: never imported here
+    if numpy is not None and isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray):
+        # == is elementwise, with no truth value of its own: equal as _same_tensor has it.
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        try:
+            return bool(numpy.array_equal(a, b, equal_nan=True))
+        except TypeError:  # a dtype without NaN (strings, objects)
+            return bool(numpy.array_equal(a, b))
     try:
         if bool(a == b):
             return True
-    except Exception:  # noqa: BLE001 - e.g. an array's ambiguous truth value: not provably equal
+    except Exception:  # noqa: BLE001 - e.g. an ambiguous truth value: not provably equal
         return False
     return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
 
@@ -196,17 +206,20 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
     # them). Every leaf's type is tested: cat would hand a non-tensor with __torch_function__
     # the call. The ranks must be compared: cat skips an empty 1-D tensor beside tensors of
     # another rank, for backward compatibility.
+    # The dtypes too: cat would promote different ones, silently.
     tensor_types = _tree.TENSOR_TYPES
     ranks = []
+    dtypes = []
     for t in per_replica[0]:
         if type(t) not in tensor_types or not t.is_cpu:
             return None
         ranks.append(t.dim())
+        dtypes.append(t.dtype)
     if not ranks or 0 in ranks:
         return None
     for leaves in per_replica[1:]:
-        for t, rank in zip(leaves, ranks):
-            if type(t) not in tensor_types or t.dim() != rank:
+        for t, rank, dtype in zip(leaves, ranks, dtypes):
+            if type(t) not in tensor_types or t.dim() != rank or t.dtype is not dtype:
                 return None
     try:
         return [torch.cat(column) for column in zip(*per_replica)]
@@ -264,7 +277,9 @@ def _join(
         if (
             ndim
             and -ndim <= axis < ndim
-            and all(isinstance(v, torch.Tensor) and v.dim() == ndim for v in values)
+            and all(
+                isinstance(v, torch.Tensor) and v.dim() == ndim and v.dtype is first.dtype for v in values
+            )
         ):
             try:
                 return _transfer.gather_to(values, axis % ndim, destination)
@@ -295,6 +310,14 @@ def _join(
         )
     if axis is _axes.BROADCAST:
         return _unmapped(values, destination, caller=caller, check=check, path=path)
+    if any(v.dtype is not first.dtype for v in values):
+        # torch.cat would promote them, silently: every replica runs the same program, so a
+        # difference is a bug in the function (a branch on the replica's data, say).
+        kinds = ", ".join(_tree.describe(v) for v in values)
+        raise ValueError(
+            f"{caller}: the replicas returned different dtypes at {path()} ({kinds}); every "
+            "replica must return the same dtype there"
+        )
     if all(v.dim() == 0 for v in values):
         return _transfer.gather_to([v.unsqueeze(0) for v in values], 0, destination)
     ranks = {v.dim() for v in values}

@@ -269,7 +269,8 @@ def _primary_error(
             _note(
                 error,
                 caller,
-                f"replica {i} (device {devices[i]}) also failed: {type(other).__name__}: {other}",
+                f"replica {i} (device {devices[i]}) also failed: "
+                f"{type(other).__name__}: {_replica.error_text(other)}",
             )
     return error
 
@@ -500,7 +501,8 @@ def run_replicas(
                 _note(
                     interrupt,
                     caller,
-                    f"replica {i} (device {devices[i]}) had failed: {type(failure).__name__}: {failure}",
+                    f"replica {i} (device {devices[i]}) had failed: "
+                    f"{type(failure).__name__}: {_replica.error_text(failure)}",
                 )
         raise
     finally:

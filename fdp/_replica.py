@@ -178,7 +178,7 @@ class CallGroup:
                 result: Any = combine(round_.payloads)
                 error = None
             except Exception as err:  # noqa: BLE001 - reported to every replica
-                result, error = _PENDING, (type(err), str(err), err)
+                result, error = _PENDING, (type(err), error_text(err), err)
             with self.lock:
                 round_.result, round_.error = result, error
                 self._notify()
@@ -217,6 +217,15 @@ class CallGroup:
                 return
             assert self.cond is not None  # only a group of several replicas waits
             self.cond.wait()
+
+
+def error_text(error: BaseException) -> str:
+    """``str(error)``, or what Python's traceback printer shows when that fails: a note about
+    one failure must not replace the failure being reported with its own."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - any failure of a user's __str__
+        return "<exception str() failed>"
 
 
 def _fresh(kind: type[BaseException], message: str, cause: BaseException | None) -> BaseException:

@@ -78,6 +78,31 @@ def test_gather_errors() -> None:
         fdp.gather([], "cpu")
 
 
+@pytest.mark.parametrize("shape", [(2,), ()])
+def test_different_dtypes_are_refused_not_promoted(shape: tuple[int, ...]) -> None:
+    # torch.cat would promote float32 and float64 (or int64) to one dtype, silently.
+    for other in (torch.float64, torch.int64):
+        with pytest.raises(ValueError, match=r"different dtypes at output\['y'\] \(float32"):
+            fdp.gather([{"y": torch.ones(shape)}, {"y": torch.ones(shape, dtype=other)}], "cpu")
+    f = fdp.pmap(lambda x: x if fdp.axis_index("i") == 0 else x.double(), axis_name="i", devices=["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"<lambda>\): the replicas returned different dtypes at output \("):
+        f(torch.ones(4))
+
+
+def test_equal_numpy_outputs_are_returned_once() -> None:
+    np = pytest.importorskip("numpy")
+    f = fdp.pmap(lambda x: (2 * x, np.array([1.0, np.nan]), np.array(["a"])), devices=["cpu"] * 2)
+    doubled, numbers, words = f(torch.ones(4))
+    assert np.array_equal(numbers, np.array([1.0, np.nan]), equal_nan=True) and words.tolist() == ["a"]
+    for first, second in [
+        (np.array([1, 2]), np.array([1, 3])),
+        (np.array([1, 2]), np.array([1.0, 2.0])),  # another dtype
+        (np.array([1, 2]), np.array([[1, 2]])),  # another shape
+    ]:
+        with pytest.raises(ValueError, match="different non-tensor values"):
+            fdp.gather([(torch.ones(1), first), (torch.ones(1), second)], "cpu")
+
+
 # --- the all-tensor CPU path gives what the general path gives ----------------------------------
 
 

@@ -794,8 +794,8 @@ def test_one_cpu_replica_runs_collectives_and_random_scopes() -> None:
         first = draw(torch.zeros(4))
     with fdp.rng_scope(3):
         again = draw(torch.zeros(4))
-    with fdp.rng_scope(fdp.fold_in(3, 0)):
-        own = torch.rand(4)  # replica 0 of a call in rng_scope(3) draws in rng_scope(fold_in(3, 0))
+    with fdp.rng_scope(fdp.fold_in(fdp.fold_in(3, 0), 0)):
+        own = torch.rand(4)  # replica 0 of the first call in rng_scope(3)
     torch.testing.assert_close(first, again)
     torch.testing.assert_close(first, own)
 

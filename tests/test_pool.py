@@ -71,6 +71,24 @@ def test_same_exception_object_from_several_replicas() -> None:
         ]
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise AttributeError("no name")
+
+
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_an_exception_whose_str_fails_is_still_the_one_raised(axis_name: str | None) -> None:
+    # The notes about the other replicas' failures must not replace the failure reported.
+    def f(x):
+        if axis_name is not None:
+            fdp.psum(x, axis_name)
+        raise _Unprintable()
+
+    with pytest.raises(_Unprintable) as info:
+        fdp.pmap(f, devices=cpus(2), axis_name=axis_name)(torch.zeros(2))
+    assert info.value.__notes__[1].endswith("also failed: _Unprintable: <exception str() failed>")
+
+
 def test_interrupt_while_waiting_keeps_the_other_replicas_errors() -> None:
     # A real KeyboardInterrupt in the waiting caller, in a child process so that a stray signal
     # cannot reach the test runner.
