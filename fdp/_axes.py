@@ -35,19 +35,23 @@ def all_zero(axes: list[Any]) -> bool:
     return all(type(a) is int and a == 0 for a in axes)
 
 
-def _check_leaf(value: Any, path: str, per_replica: bool) -> Any:
+def _check_leaf(value: Any, path: str, per_replica: bool, caller: str) -> Any:
     if value is None:
         return BROADCAST
     if value is _state.PER_REPLICA and per_replica:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
         allowed = "an int, None or fdp.PER_REPLICA" if per_replica else "an int or None"
-        raise TypeError(f"{path} must be {allowed}, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{caller}: {path} must be {allowed}, got {type(value).__name__}: {value!r}")
     return value
 
 
-def check_spec(spec: Any, *, what: str, list_as_tuple: bool = False, per_replica: bool = False) -> Any:
+def check_spec(
+    spec: Any, *, what: str, caller: str, list_as_tuple: bool = False, per_replica: bool = False
+) -> Any:
     """Validates a specification once, when the transform is built; ``None`` becomes BROADCAST.
+
+    Errors name ``caller`` (``fdp.pmap(fn)``), so a program of many mapped functions says which.
 
     With ``list_as_tuple`` (for ``in_axes``), a top-level list is read as a tuple, the usual
     spelling for positional arguments; ``per_replica`` (for ``out_axes``) allows
@@ -57,14 +61,14 @@ def check_spec(spec: Any, *, what: str, list_as_tuple: bool = False, per_replica
         spec = tuple(spec)
     _tree.flatten(spec)  # registers dataclasses used as prefixes, e.g. in_axes=(Batch(0, None),)
     return optree.tree_map_with_accessor(
-        lambda accessor, leaf: _check_leaf(leaf, accessor.codify(what), per_replica),
+        lambda accessor, leaf: _check_leaf(leaf, accessor.codify(what), per_replica, caller),
         spec,
         none_is_leaf=True,
         namespace=_tree.NAMESPACE,
     )
 
 
-def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str) -> list[Any]:
+def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str, caller: str) -> list[Any]:
     """The axis (an int or BROADCAST) of every leaf of ``tree``, in flattening order.
 
     ``tree`` must already have gone through ``_tree.flatten`` (dataclasses registered).
@@ -83,7 +87,7 @@ def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str) -> list[Any]:
     ]
     _, structure = _tree.flatten(tree)
     raise ValueError(
-        f"{what} specification must be a tree prefix of {tree_name}, but {what}={spec!r} "
+        f"{caller}: {what} specification must be a tree prefix of {tree_name}, but {what}={spec!r} "
         f"does not match {tree_name} of structure {structure}.\n" + "\n".join(details[:3])
     ) from None
 

@@ -98,12 +98,16 @@ def gather_outputs(
     # its structure, which may then be matched loosely (see _tree.LastStructure); where the
     # last call's output had to be rebuilt (resident state), it is flattened exactly at once.
     exact = not lone or (structure is not None and _rebuilt(structure.kept()))
-    leaves, treespec, plan, exact = _flat_output(outputs[0], out_axes, plans, structure, exact=exact)
+    leaves, treespec, plan, exact = _flat_output(
+        outputs[0], out_axes, plans, structure, exact=exact, caller=caller
+    )
     if lone:
         if _whole_as_it_is(leaves, plan, destination):
             return outputs[0]  # one replica, nothing to join, already on the destination
         if not exact:  # to be rebuilt from it
-            leaves, treespec, plan, _ = _flat_output(outputs[0], out_axes, plans, structure, exact=True)
+            leaves, treespec, plan, _ = _flat_output(
+                outputs[0], out_axes, plans, structure, exact=True, caller=caller
+            )
         if plan.all_per_replica and devices is not None:  # resident state, in one short loop
             mine = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
             return _tree.unflatten(
@@ -149,6 +153,7 @@ def _flat_output(
     structure: _tree.LastStructure | None,
     *,
     exact: bool,
+    caller: str,
 ) -> tuple[list[Any], optree.PyTreeSpec, OutputPlan, bool]:
     """Replica 0's output flattened (along the last call's with ``structure``), its plan, and
     whether the structure is surely the output's own (see :meth:`_tree.LastStructure.flatten`)."""
@@ -159,7 +164,7 @@ def _flat_output(
     if plan is None:
         plan = plans.get(treespec) if plans is not None else None
         if plan is None:
-            axes = _axes.leaf_axes(out_axes, output, what="out_axes", tree_name="the output")
+            axes = _axes.leaf_axes(out_axes, output, what="out_axes", tree_name="the output", caller=caller)
             plan = OutputPlan(treespec, axes)
             if plans is not None:
                 plans[treespec] = plan
@@ -388,5 +393,5 @@ def gather(
     destination = _devices.check_available(
         _devices.parse_device(device, what=f"{caller} device"), what=f"{caller} device"
     )
-    spec = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
+    spec = _axes.check_spec(out_axes, what="out_axes", caller=caller, per_replica=True)
     return gather_outputs(list(trees), destination, spec, caller=caller)

@@ -68,8 +68,8 @@ class Pmapped(Generic[P, R]):
         name = type(fn).__name__ if self.is_module else getattr(fn, "__qualname__", None)
         self._caller = f"fdp.pmap({name or type(fn).__name__})"
         what = self._caller
-        self.in_axes = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
-        self.out_axes = _axes.check_spec(out_axes, what="out_axes", per_replica=True)
+        self.in_axes = _axes.check_spec(in_axes, what="in_axes", caller=what, list_as_tuple=True)
+        self.out_axes = _axes.check_spec(out_axes, what="out_axes", caller=what, per_replica=True)
         self.axis_name = axis_name
         self.split = _split.check_split(split, what=f"{what} split")
         self._devices_arg = (
@@ -395,6 +395,7 @@ class Pmapped(Generic[P, R]):
                     spec,
                     part,
                     what="in_axes",
+                    caller=self._caller,
                     tree_name=f"the tuple of positional arguments ({len(part)} given)"
                     if root == "args"
                     else root,

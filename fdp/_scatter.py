@@ -351,9 +351,9 @@ def scatter(
     caller = "fdp.scatter"
     resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
     split = _split.check_split(split, what=f"{caller} split")
-    spec = _axes.check_spec(in_axes, what="in_axes", list_as_tuple=True)
+    spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=True)
     leaves, treespec = _tree.flatten(tree)
-    axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree")
+    axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree", caller=caller)
     result = scatter_leaves(
         leaves,
         axes,

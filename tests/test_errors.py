@@ -65,7 +65,8 @@ def test_in_axes_not_a_prefix_names_the_key_path() -> None:
     f = fdp.pmap(lambda x, y: x, in_axes=(0, 0, 0), devices=cpus(2))
     with pytest.raises(
         ValueError,
-        match=r"in_axes specification must be a tree prefix of the tuple of positional arguments \(2 given\)",
+        match=r"^fdp\.pmap\(.*<lambda>\): in_axes specification must be a tree prefix of the tuple of "
+        r"positional arguments \(2 given\)",
     ) as info:
         f(torch.zeros(2), torch.zeros(2))
     assert "in_axes tree root" in str(info.value)
@@ -83,13 +84,32 @@ def test_in_axes_not_a_prefix_names_the_key_path() -> None:
     ],
 )
 def test_in_axes_leaves_must_be_ints_or_none(spec: object, match: str) -> None:
-    with pytest.raises(TypeError, match=match):
+    # Named: a program of many mapped functions must say which one was given the bad spec.
+    with pytest.raises(TypeError, match=r"^fdp\.pmap\(.*<lambda>\): " + match):
         fdp.pmap(lambda x: x, in_axes=spec)
+    with pytest.raises(TypeError, match=r"^fdp\.scatter: " + match):
+        fdp.scatter(torch.zeros(2), ["cpu"] * 2, in_axes=spec)
 
 
 def test_out_axes_leaves_must_be_ints_or_none() -> None:
-    with pytest.raises(TypeError, match=r"out_axes\['y'\] must be an int, None or fdp.PER_REPLICA"):
+    with pytest.raises(
+        TypeError, match=r"^fdp\.pmap\(.*<lambda>\): out_axes\['y'\] must be an int, None or fdp.PER_REPLICA"
+    ):
         fdp.pmap(lambda x: x, out_axes={"y": "0"})
+    with pytest.raises(TypeError, match=r"^fdp\.gather: out_axes must be an int, None or fdp.PER_REPLICA"):
+        fdp.gather([torch.zeros(1)], "cpu", out_axes="0")
+
+
+def test_out_axes_not_a_prefix_names_the_call() -> None:
+    def two(x):
+        return x
+
+    with pytest.raises(
+        ValueError, match=r"^fdp\.pmap\(.*two\): out_axes specification must be a tree prefix"
+    ):
+        fdp.pmap(two, out_axes=(0, 0), devices=cpus(2))(torch.zeros(2))
+    with pytest.raises(ValueError, match=r"^fdp\.gather: out_axes specification must be a tree prefix"):
+        fdp.gather([torch.zeros(1)], "cpu", out_axes=(0, 0))
 
 
 def test_unhashable_axis_name() -> None:
