@@ -423,6 +423,8 @@ class Pmapped(Generic[P, R]):
     ) -> None:
         for (k, copies), before in zip(scattered.shared, versions):
             if any(_version(t) != v for t, v in zip(copies, before)):
+                if _counter_shared_with_a_shard(scattered, copies):
+                    continue  # perhaps a shard's own update (see there): nothing to blame
                 paths = self._paths(parts, roots)
                 raise RuntimeError(
                     f"{self._caller}: the replicas modified {paths[k]} in place, but it is "
@@ -455,6 +457,27 @@ def _complete_state(module: nn.Module, params: Any) -> Any:
         for name, tensor in group[:1]
     }
     return {**missing, **params} if missing else params
+
+
+def _counter_shared_with_a_shard(scattered: _scatter.Scattered, copies: list[torch.Tensor]) -> bool:
+    """Whether a replicated input's copies share their version counter with a mapped input's
+    shards: views of one tensor share its counter, so ``f(data[:, :2], data[0, 2:])`` with the
+    second replicated bumps it when a replica updates its own shard of the first in place (which
+    is allowed). The change cannot be told from one to the replicated input, so it is not
+    blamed on it. (Only looked at once a change is seen.)"""
+    shared = {k for k, _ in scattered.shared}
+    shard_roots = {
+        id(_root(t))
+        for row in scattered.leaves
+        for j, t in enumerate(row)
+        if j not in shared and isinstance(t, torch.Tensor)
+    }
+    return any(id(_root(t)) in shard_roots for t in copies)
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` uses: its base if it is a view."""
+    return t if t._base is None else t._base
 
 
 def _version(t: torch.Tensor) -> int:

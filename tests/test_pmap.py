@@ -627,6 +627,25 @@ def test_in_place_update_of_a_replicated_input_is_an_error() -> None:
     one(torch.ones(4), torch.zeros(3))
 
 
+def test_in_place_update_of_a_shard_is_not_blamed_on_a_replicated_view_of_the_same_tensor() -> None:
+    # Views of one tensor share its version counter: the mapped shard's update bumps the
+    # replicated slice's too, which the replicas did not touch.
+    data = torch.ones(4, 3)
+
+    def g(x, row):
+        x.add_(1)
+        return x.sum(1) + row.sum()
+
+    out = fdp.pmap(g, in_axes=(0, None), devices=cpus(2))(data[:, :2], data[0, 2:])
+    torch.testing.assert_close(out, torch.full((4,), 5.0))
+    torch.testing.assert_close(data[:, :2], torch.full((4, 2), 2.0))
+    # A replicated view of another tensor than the shards' is still checked.
+    other = torch.zeros(2, 3)
+    f = fdp.pmap(lambda x, b: b.add_(1) * x.sum(), in_axes=(0, None), out_axes=None, devices=cpus(2))
+    with pytest.raises(RuntimeError, match=r"modified args\[1\] in place.*replicated"):
+        f(data[:, :2], other[0])
+
+
 def test_in_place_update_of_a_mapped_input_writes_through(devices: list[str]) -> None:
     x = torch.zeros(7)
     fdp.pmap(lambda x: x.add_(1), devices=devices)(x)
