@@ -105,18 +105,38 @@ def _register_dataclass(cls: type) -> None:
     fields = [f for f in dataclasses.fields(cls) if f.init]
     children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
     metadata = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+    # Fields that cls(**fields) sets itself, to their defaults or in __post_init__.
+    late = tuple(f.name for f in dataclasses.fields(cls) if not f.init)
 
-    def flatten_fields(obj: Any) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...], tuple[str, ...]]:
-        return (
-            tuple(getattr(obj, name) for name in children),
-            tuple((name, getattr(obj, name)) for name in metadata),
-            children,
-        )
+    def flatten_fields(obj: Any) -> tuple[tuple[Any, ...], Any, tuple[str, ...]]:
+        meta = tuple((name, getattr(obj, name)) for name in metadata)
+        if late:
+            # The late fields that hold a tensor: the rebuilt object must hold one there too.
+            held = tuple(name for name in late if isinstance(getattr(obj, name, None), torch.Tensor))
+            return tuple(getattr(obj, name) for name in children), (meta, held), children
+        return tuple(getattr(obj, name) for name in children), meta, children
 
-    def rebuild(meta: tuple[tuple[str, Any], ...], values: tuple[Any, ...]) -> Any:
+    def rebuild(meta: Any, values: tuple[Any, ...]) -> Any:
+        held: tuple[str, ...] = ()
+        if late:
+            meta, held = meta
         kwargs = dict(zip(children, values))
         kwargs.update(meta)
-        return cls(**kwargs)
+        obj = cls(**kwargs)
+        for name in held:
+            value = getattr(obj, name, None)
+            if not isinstance(value, torch.Tensor):
+                # Set after construction, say, and not recomputed: each replica would silently
+                # get the field's default instead.
+                raise ValueError(
+                    f"fdp cannot rebuild the dataclass {cls.__qualname__}: its field {name!r} "
+                    f"(init=False) holds a tensor, but {cls.__qualname__}(**init fields), which "
+                    f"fdp calls to rebuild it from its split fields, sets it to {short_repr(value)}. "
+                    f"Compute {name!r} in __post_init__ from the init fields, make it an init "
+                    f"field, or register {cls.__qualname__} with optree.register_pytree_node(..., "
+                    f"namespace={NAMESPACE!r})"
+                )
+        return obj
 
     optree.register_pytree_node(
         cls,  # type: ignore[arg-type]

@@ -320,6 +320,40 @@ def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
     assert out.tolist() == [3, 2]
 
 
+def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -> None:
+    @dataclasses.dataclass
+    class Derived:
+        x: torch.Tensor
+        mask: torch.Tensor = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.mask = self.x > 0  # recomputed for each replica's rows
+
+    out = fdp.pmap(lambda d: d.mask.sum(0, keepdim=True), devices=cpus(2))(
+        Derived(torch.tensor([1.0, -1, 2]))
+    )
+    assert out.tolist() == [1, 1]
+
+    @dataclasses.dataclass
+    class Late:
+        x: torch.Tensor
+        weight: torch.Tensor | None = dataclasses.field(init=False, default=None)
+
+    batch = Late(torch.arange(4.0))
+    batch.weight = torch.ones(4)  # set after construction: Late(x=...) would not set it again
+    for axis in (0, None):  # rebuilt for each replica, whole or split
+        f = fdp.pmap(lambda b, y: b.x.sum() * b.weight.sum() * y, in_axes=(axis, 0), devices=cpus(2))
+        with pytest.raises(
+            ValueError,
+            match=r"cannot rebuild the dataclass .*Late: its field 'weight' \(init=False\) holds a "
+            r"tensor, but .*sets it to None",
+        ):
+            f(batch, torch.ones(4))
+    # One replica gets the object itself, as a direct call would.
+    out = fdp.pmap(lambda b: b.x * b.weight, devices=cpus(1))(batch)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_module_written_as_a_dataclass_is_a_leaf_not_rebuilt(n: int) -> None:
     built: list[int] = []
