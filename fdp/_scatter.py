@@ -92,7 +92,7 @@ def scatter_leaves(
         # Only resident state: one replica per copy, and nothing to split.
         run_on = devices[: len(leaves[resident[0]])]
         rows: list[list[Any]] = [list(leaves) for _ in run_on]
-        _place_resident(leaves, resident, rows, run_on, caller, paths)
+        _place_resident(leaves, resident, rows, run_on, caller, paths, devices, split, None)
         shared: list[tuple[int, list[torch.Tensor]]] = []
         _place_replicated(leaves, replicated, rows, run_on, shared)
         return Scattered(rows, run_on, (), shared)
@@ -115,7 +115,7 @@ def scatter_leaves(
     n = len(sizes)
     run_on = devices[:n]
     rows = [list(leaves) for _ in range(n)]
-    _place_resident(leaves, resident, rows, run_on, caller, paths)
+    _place_resident(leaves, resident, rows, run_on, caller, paths, devices, split, batch)
     on_cpu = all(d.type == "cpu" for d in run_on)
     for k, dim in mapped:
         leaf = leaves[k]
@@ -267,21 +267,63 @@ def _place_resident(
     run_on: tuple[torch.device, ...],
     caller: str,
     paths: Callable[[], list[str]],
+    devices: tuple[torch.device, ...],
+    split: _split.SplitRule,
+    batch: int | None,
 ) -> None:
-    """Gives replica r the r-th value of every PerReplica leaf, after checking where they live."""
+    """Gives replica r the r-th value of every PerReplica leaf, after checking where they live.
+
+    ``devices`` are the call's devices, ``batch`` the rows split over them (None when nothing
+    is mapped); both only go into the error message.
+    """
     for k in resident:
         leaf: _state.PerReplica = leaves[k]
         n = len(run_on)
         if leaf.devices[:n] != run_on or not (len(leaf) == n or (leaf.prefix_ok and len(leaf) > n)):
-            raise ValueError(
-                f"{caller}: {paths()[k]} holds one value per replica on "
-                f"{[str(d) for d in leaf.devices]}, but this call runs {len(run_on)} replicas on "
-                f"{[str(d) for d in run_on]}. Resident state needs every replica to run: with "
-                "split='chunk' a small batch runs fewer replicas than devices (use "
-                "split='balanced', or a batch of at least one row per device)."
-            )
+            raise ValueError(_resident_message(leaf, paths()[k], run_on, caller, devices, split, batch))
         for r in range(len(run_on)):
             rows[r][k] = leaf.values[r]
+
+
+def _resident_message(
+    leaf: _state.PerReplica,
+    path: str,
+    run_on: tuple[torch.device, ...],
+    caller: str,
+    devices: tuple[torch.device, ...],
+    split: _split.SplitRule,
+    batch: int | None,
+) -> str:
+    """Why resident state does not fit the replicas a call runs, and what to change."""
+    n, held, d = len(run_on), len(leaf), len(devices)
+    head = (
+        f"{caller}: {path} holds {held} values, one per replica on {[str(x) for x in leaf.devices]}, "
+        f"but this call runs {n} {'replica' if n == 1 else 'replicas'} on {[str(x) for x in run_on]}. "
+        "Resident state needs every replica to run on every call"
+    )
+    fits_devices = leaf.devices[:d] == devices and (held == d or leaf.prefix_ok)
+    if batch is None or not fits_devices:
+        return (
+            f"{head}, on the devices it was placed on: this call's devices are "
+            f"{[str(x) for x in devices]}. Place the state with fdp.device_put_replicated on the "
+            "devices the call runs on (or give the call the devices the state is on)."
+        )
+    fix = (
+        f"give every batch at least one row per device ({d} rows here), e.g. drop the last "
+        "partial batch (DataLoader(..., drop_last=True))"
+    )
+    if split == "chunk":
+        piece = -(-batch // d)
+        return (
+            f"{head}: with split='chunk' (torch.chunk's rule: pieces of {piece} "
+            f"{'row' if piece == 1 else 'rows'}) a batch of {batch} rows over {d} devices runs "
+            f"only {n}. Use split='balanced' (one replica per device whenever there are at least "
+            f"as many rows as devices) and {fix}."
+        )
+    return (
+        f"{head}: with split='balanced' a batch of {batch} rows, fewer than the {d} devices, "
+        f"runs one replica per row. Keep split='balanced' and {fix}."
+    )
 
 
 def _inconsistent_sizes_message(

@@ -222,7 +222,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda: (fdp.device_put_replicated({"w": torch.zeros(1)}, cpus(2)), torch.zeros(3)),
         lambda a: pm(lambda s, x: x, devices=cpus(3))(*a),
         ValueError,
-        r"args\[0\]\['w'\] holds one value per replica",
+        r"args\[0\]\['w'\] holds 2 values, one per replica .* runs 3 replicas .*fdp.device_put_replicated",
+    ),
+    (
+        "resident state and a batch that runs fewer replicas",
+        lambda: (fdp.device_put_replicated({"w": torch.zeros(1)}, cpus(8)), torch.zeros(10)),
+        lambda a: pm(lambda s, x: x, devices=cpus(8))(*a),
+        ValueError,
+        r"args\[0\]\['w'\] holds 8 values, one per replica .* runs 5 replicas .*split='chunk'"
+        r".*Use split='balanced' .* at least one row per device",
     ),
 ]
 

@@ -61,20 +61,47 @@ def test_state_alone_runs_one_replica_per_copy() -> None:
 def test_state_needs_every_replica_to_run() -> None:
     state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(8))
     f = fdp.pmap(lambda s, x: x, devices=cpus(8))
-    with pytest.raises(
-        ValueError, match=r"args\[0\]\['w'\] holds one value per replica .* runs 5 replicas.*split='balanced'"
-    ):
-        f(state, torch.zeros(10))  # chunk: 10 rows over 8 devices is 5 replicas
+    # chunk: 10 rows over 8 devices is 5 replicas, though there is a row for every device
+    with pytest.raises(ValueError) as info:
+        f(state, torch.zeros(10))
+    message = str(info.value)
+    assert (
+        message.startswith("fdp.pmap(")
+        and "<lambda>): args[0]['w'] holds 8 values, one per replica" in message
+    )
+    assert "this call runs 5 replicas" in message
+    assert "split='chunk'" in message and "Use split='balanced'" in message
+    assert "at least one row per device (8 rows here)" in message and "drop the last" in message
     fdp.pmap(lambda s, x: x, devices=cpus(8), split="balanced")(state, torch.zeros(10))
+
+
+def test_state_needs_a_row_per_device_under_balanced() -> None:
+    # balanced runs every replica only when there are at least as many rows as devices; the
+    # message must not send the caller to split='balanced', which is already the rule used.
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(8))
+    f = fdp.pmap(lambda s, x: x, devices=cpus(8), split="balanced")
+    with pytest.raises(ValueError) as info:
+        f(state, torch.zeros(5))
+    message = str(info.value)
+    assert (
+        message.startswith("fdp.pmap(")
+        and "<lambda>): args[0]['w'] holds 8 values, one per replica" in message
+    )
+    assert "this call runs 5 replicas" in message
+    assert "with split='balanced' a batch of 5 rows" in message and "split='chunk'" not in message
+    assert "at least one row per device (8 rows here)" in message and "drop the last" in message
+    f(state, torch.zeros(8))
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_state_on_other_devices_is_an_error(n: int) -> None:
     state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(2))
-    with pytest.raises(ValueError, match=rf"holds one value per replica .* runs {n} replicas"):
+    with pytest.raises(ValueError, match=rf"holds 2 values, one per replica .* runs {n} replicas?") as info:
         fdp.pmap(lambda s, x: x, devices=cpus(n))(state, torch.zeros(3))
+    assert "fdp.device_put_replicated on the devices the call runs on" in str(info.value)
+    assert "split=" not in str(info.value)  # the devices are at fault, not the split
     empty = fdp.PerReplica([], [])
-    with pytest.raises(ValueError, match=r"args\[0\] holds one value per replica on \[\]"):
+    with pytest.raises(ValueError, match=r"args\[0\] holds 0 values, one per replica on \[\]"):
         fdp.pmap(lambda s, x: x, devices=cpus(n))(empty, torch.zeros(3))
 
 
