@@ -53,7 +53,17 @@ _POLL = datetime.timedelta(seconds=0.5)
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed: raised on the ranks that were waiting for it."""
+    """Another rank failed: raised on the ranks that were waiting for it.
+
+    Its message names the rank that failed, what this rank was waiting in, and the failed rank's
+    exception, e.g. ``fdp.distributed: rank 1 failed during an all_reduce (sum): ValueError:
+    ...``. A subclass of ``RuntimeError``.
+
+    Examples:
+        >>> import fdp
+        >>> issubclass(fdp.distributed.RankFailed, RuntimeError)
+        True
+    """
 
 
 @dataclass
@@ -134,27 +144,61 @@ def _state() -> _State:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`initialize` has run in this process (and :func:`shutdown` has not)."""
+    """Whether :func:`initialize` has run in this process (and :func:`shutdown` has not).
+
+    Examples:
+        >>> import fdp
+        >>> fdp.distributed.is_initialized()  # a plain process, not launched by torchrun
+        False
+    """
     return _STATE is not None
 
 
 def rank() -> int:
-    """This process's rank (0 without :func:`initialize`)."""
+    """This process's rank (0 without :func:`initialize`).
+
+    Examples:
+        >>> import fdp
+        >>> fdp.distributed.rank()  # without initialize(): the only process
+        0
+    """
     return _STATE.rank if _STATE is not None else 0
 
 
 def world_size() -> int:
-    """The number of processes (1 without :func:`initialize`)."""
+    """The number of processes (1 without :func:`initialize`).
+
+    Examples:
+        >>> import fdp
+        >>> fdp.distributed.world_size()  # without initialize(): this process alone
+        1
+    """
     return _STATE.world_size if _STATE is not None else 1
 
 
 def is_main_process() -> bool:
-    """True on rank 0 (and without :func:`initialize`): where to log, show progress, write files."""
+    """True on rank 0 (and without :func:`initialize`): where to log, show progress, write files.
+
+    Examples:
+        >>> import fdp
+        >>> fdp.distributed.is_main_process()  # without initialize(): rank 0
+        True
+    """
     return rank() == 0
 
 
 def local_devices() -> list[torch.device]:
-    """This process's default devices: its GPU (``cuda:LOCAL_RANK``) under a launcher, else the CPU."""
+    """This process's default devices.
+
+    After :func:`initialize`: its one GPU (``cuda:LOCAL_RANK``, modulo the GPUs visible), or the
+    CPU on a machine without CUDA. Without it: every visible GPU, or the CPU without CUDA.
+
+    Examples:
+        >>> import torch, fdp
+        >>> gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        >>> fdp.distributed.local_devices() == (gpus or [torch.device("cpu")])  # without initialize()
+        True
+    """
     if _STATE is not None:
         if torch.cuda.is_available():
             return [torch.device("cuda", _STATE.local_rank % torch.cuda.device_count())]
@@ -207,10 +251,27 @@ def initialize(
         store: a ``torch.distributed`` store (tests pass a ``FileStore``). Default: ``None``, a
             ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
 
+    Raises:
+        RuntimeError: when ``RANK``, ``WORLD_SIZE`` (or, without ``store``, ``MASTER_PORT``) is
+            not set and not passed, as in a process not launched by ``torchrun``; or when
+            :func:`initialize` was already called in this process (without :func:`shutdown`).
+
     Examples:
         >>> import fdp
         >>> fdp.distributed.is_initialized(), fdp.distributed.rank(), fdp.distributed.world_size()
         (False, 0, 1)
+
+        Outside ``torchrun`` (nothing in the environment), it says how to launch:
+
+        >>> import os
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, clear=True):  # as in a plain `python train.py`
+        ...     fdp.distributed.initialize()
+        Traceback (most recent call last):
+            ...
+        RuntimeError: fdp.distributed.initialize: the environment variable RANK is not set; launch ...
+        >>> fdp.distributed.is_initialized()
+        False
     """
     global _STATE
     if _STATE is not None:
@@ -269,7 +330,17 @@ def _import_group_defaults() -> None:
 
 
 def shutdown() -> None:
-    """Leaves the process group (if :func:`initialize` created it) and stops the communicator."""
+    """Leaves the process group (if :func:`initialize` created it) and stops the communicator.
+
+    Does nothing when :func:`initialize` has not run (or :func:`shutdown` already did), so it
+    can be called unconditionally at the end of a program.
+
+    Examples:
+        >>> import fdp
+        >>> fdp.distributed.shutdown()  # not initialized: nothing to leave
+        >>> fdp.distributed.is_initialized()
+        False
+    """
     global _STATE
     state = _STATE
     if state is None:
@@ -284,7 +355,21 @@ def record_failure(error: BaseException) -> None:
     """Tells the other ranks that this one failed, so their collectives stop waiting for it.
 
     fdp records failures of pmapped calls itself, and uncaught exceptions; call this for other
-    failures you catch before exiting.
+    failures you catch before exiting. The other ranks then raise :class:`RankFailed`, naming
+    this rank and quoting ``error``. Does nothing when :func:`initialize` has not run, or when
+    the store can no longer be reached.
+
+    Args:
+        error: the exception that stopped this rank; its type and message (as
+            ``traceback.format_exception_only`` writes them) go into the other ranks'
+            :class:`RankFailed`.
+
+    Examples:
+        >>> import fdp
+        >>> try:
+        ...     raise ValueError("no data left on this rank")
+        ... except ValueError as error:
+        ...     fdp.distributed.record_failure(error)  # not initialized: no other rank to tell
     """
     state = _STATE
     if state is None:

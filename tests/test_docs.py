@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fdp
-from fdp import optim
+from fdp import distributed, optim
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_TUPLES = {"AdamState", "SgdState", "EmptyState"}  # plain records, documented by their optimizers
@@ -21,6 +21,7 @@ def public_objects() -> list[tuple[str, object]]:
     objects += [
         (f"fdp.optim.{name}", getattr(optim, name)) for name in optim.__all__ if name not in STATE_TUPLES
     ]
+    objects += [(f"fdp.distributed.{name}", getattr(distributed, name)) for name in distributed.__all__]
     return [(name, obj) for name, obj in objects if inspect.isfunction(obj) or inspect.isclass(obj)]
 
 
