@@ -539,8 +539,8 @@ def pmap(
     runs ``fn`` on every shard in parallel on persistent worker threads (one per device; the
     first replica runs in the calling thread), and gathers the outputs on ``output_device``
     (concatenated along ``out_axes``). Everything is differentiable: ``backward()`` on a loss of
-    the output puts into the original tensors exactly the gradient of the one-device
-    computation. Usable as ``@fdp.pmap`` and as ``@fdp.pmap(...)``.
+    the output puts into the original tensors the gradient of the one-device computation, up
+    to floating-point summation order. Usable as ``@fdp.pmap`` and as ``@fdp.pmap(...)``.
 
     Unlike ``jax.pmap`` the batch need not be a multiple of the device count, and there is no
     extra device axis: shards are pieces of the batch, as in ``nn.DataParallel``.
@@ -557,8 +557,9 @@ def pmap(
             Non-tensor leaves reach every replica unchanged. Default: ``0``.
         out_axes: a tree prefix of the output: an int concatenates the replicas' tensors along
             that dim on ``output_device`` (0-dim outputs are stacked into a vector); ``None``
-            returns the value of the replica on ``output_device`` (else the first replica's).
-            Default: ``0``.
+            returns the value of the replica on ``output_device`` (else the first replica's);
+            :data:`fdp.PER_REPLICA` keeps every replica's value on its device, as
+            :class:`fdp.PerReplica` leaves (resident state). Default: ``0``.
         axis_name: a name for the mapped axis, for collectives and :func:`fdp.axis_index`
             inside ``fn``. Default: ``None``.
         devices: where the replicas run: CUDA indices, strings, ``torch.device``s; duplicates
