@@ -240,10 +240,13 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
-    """Per-replica values that share no memory with each other, with the call's inputs, or
-    with earlier per-replica outputs: resident state may be updated in place, replica by
+    """Per-replica values that share no memory with each other, with the call's tensor inputs,
+    or with earlier per-replica outputs: resident state may be updated in place, replica by
     replica. A value that would share (a replicated input returned as is, a shard of the
-    caller's batch) is copied; a replica's own fresh tensor is kept as it is."""
+    caller's batch) is copied; a replica's own fresh tensor is kept as it is. Resident inputs
+    (``PerReplica`` leaves) returned as they are stay as they are: the new state then shares
+    them with the old, which a loop drops (copying frozen state on every step would cost a pass
+    over it)."""
     return [_own_copy(v, taken) for v in values]
 
 
