@@ -203,9 +203,12 @@ def _zeros_like(tree: Tree) -> Tree:
     return _tree.unflatten(spec, [torch.zeros_like(t, memory_format=torch.preserve_format) for t in leaves])
 
 
-def _check_lr(lr: float, name: str) -> None:
-    if not lr >= 0:
-        raise ValueError(f"fdp.optim.{name}: lr must be non-negative, got {lr!r}")
+def _check_non_negative(name: str, **values: float) -> None:
+    """Refuses what torch.optim refuses: negative values, and NaN (``not >= 0``, as
+    ``torch.optim.Adam`` writes its checks)."""
+    for what, value in values.items():
+        if not value >= 0:
+            raise ValueError(f"fdp.optim.{name}: {what} must be non-negative, got {value!r}")
 
 
 def sgd(
@@ -220,11 +223,11 @@ def sgd(
 
     Args:
         lr: the learning rate.
-        momentum: the momentum factor. Default: ``0.0``.
+        momentum: the momentum factor, non-negative. Default: ``0.0``.
         dampening: dampening for momentum (not applied on the first step, as in torch).
             Default: ``0.0``.
         nesterov: Nesterov momentum. Default: ``False``.
-        weight_decay: L2 penalty added to the gradient. Default: ``0.0``.
+        weight_decay: L2 penalty added to the gradient, non-negative. Default: ``0.0``.
 
     Examples:
         >>> import torch
@@ -236,7 +239,7 @@ def sgd(
         >>> optim.apply_updates(params, updates)
         {'w': tensor([0.9000, 0.9000])}
     """
-    _check_lr(lr, "sgd")
+    _check_non_negative("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
 
@@ -274,7 +277,7 @@ def _difference(new: Leaves, old: Leaves) -> Leaves:
 def _adam(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool, name: str
 ) -> GradientTransformation:
-    _check_lr(lr, name)
+    _check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
     beta1, beta2 = betas
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         raise ValueError(f"fdp.optim.{name}: betas must be in [0, 1), got {betas!r}")
@@ -315,8 +318,8 @@ def adam(
     Args:
         lr: the learning rate. Default: ``1e-3``.
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
-        eps: added to the denominator. Default: ``1e-8``.
-        weight_decay: L2 penalty. Default: ``0.0``.
+        eps: added to the denominator, non-negative. Default: ``1e-8``.
+        weight_decay: L2 penalty, non-negative. Default: ``0.0``.
 
     Examples:
         >>> import torch
@@ -342,8 +345,8 @@ def adamw(
     Args:
         lr: the learning rate. Default: ``1e-3``.
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
-        eps: added to the denominator. Default: ``1e-8``.
-        weight_decay: decoupled weight decay. Default: ``1e-2``.
+        eps: added to the denominator, non-negative. Default: ``1e-8``.
+        weight_decay: decoupled weight decay, non-negative. Default: ``1e-2``.
 
     Examples:
         >>> import torch

@@ -225,6 +225,47 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
         make()
 
 
+_ONE = [torch.zeros(1, requires_grad=True)]
+
+
+@pytest.mark.parametrize(
+    ("make", "make_torch", "match"),
+    [
+        (
+            lambda: optim.sgd(0.1, momentum=-0.5),
+            lambda: torch.optim.SGD(_ONE, 0.1, momentum=-0.5),
+            "momentum",
+        ),
+        (
+            lambda: optim.sgd(0.1, weight_decay=-1.0),
+            lambda: torch.optim.SGD(_ONE, 0.1, weight_decay=-1.0),
+            "weight_decay",
+        ),
+        (lambda: optim.adam(-1e-3), lambda: torch.optim.Adam(_ONE, -1e-3), "lr"),
+        (lambda: optim.adam(eps=-1e-8), lambda: torch.optim.Adam(_ONE, eps=-1e-8), "eps"),
+        (lambda: optim.adam(eps=float("nan")), lambda: torch.optim.Adam(_ONE, eps=float("nan")), "eps"),
+        (
+            lambda: optim.adam(weight_decay=-0.1),
+            lambda: torch.optim.Adam(_ONE, weight_decay=-0.1),
+            "weight_decay",
+        ),
+        (lambda: optim.adamw(eps=-1e-8), lambda: torch.optim.AdamW(_ONE, eps=-1e-8), "eps"),
+        (
+            lambda: optim.adamw(weight_decay=-0.1),
+            lambda: torch.optim.AdamW(_ONE, weight_decay=-0.1),
+            "weight_decay",
+        ),
+    ],
+)
+def test_hyperparameters_torch_optim_refuses(
+    make: Callable[[], Any], make_torch: Callable[[], Any], match: str
+) -> None:
+    with pytest.raises(ValueError):
+        make_torch()  # the oracle
+    with pytest.raises(ValueError, match=rf"fdp\.optim\.\w+: {match} must be non-negative, got "):
+        make()
+
+
 def test_update_needs_params() -> None:
     opt = optim.adam()
     with pytest.raises(ValueError, match="fdp.optim.adam needs the params"):
