@@ -121,32 +121,44 @@ def _fused(update: Callable[..., Any]) -> Callable[[Tree, Any, Tree], tuple[Tree
         return None
 
 
-# step(grads, params, spec, state) -> (new parameters, new state), on leaf lists; spec is the
-# gradients' structure, for trees in the state.
-_Step = Callable[[Any, Any, optree.PyTreeSpec, Any], tuple[Any, Any]]
+# step(grads, params, spec, state, buffers) -> (new parameters, new state), on leaf lists; spec
+# is the gradients' structure, for trees in the new state; buffers holds the leaves of the
+# state's trees named by the optimizer (momentum, moments), checked to have that structure.
+_Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any]], tuple[Any, Any]]
 
 
-def _optimizer(init: Callable[[Tree], Any], step: _Step, name: str) -> GradientTransformation:
+def _optimizer(
+    init: Callable[[Tree], Any], step: _Step, name: str, buffers: tuple[str, ...]
+) -> GradientTransformation:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
-    one-pass ``apply_gradients``."""
+    one-pass ``apply_gradients``. ``buffers`` names the state's fields that hold trees like the
+    gradients."""
+
+    def checked(grads: Tree, state: Any, params: Tree, call: str) -> tuple[Any, ...]:
+        """The leaves and structures of grads and params, and the leaves of the state's trees,
+        once they are known to match."""
+        g, spec = _leaves(grads)
+        p, params_spec = _leaves(params)
+        trees = tuple((field, getattr(state, field)) for field in buffers)
+        flat = [(field, *_leaves(tree)) for field, tree in trees]
+        if torch.compiler.is_compiling():
+            _verify_eagerly(name, call, grads, params, trees)
+        else:
+            _verify(name, call, spec, params_spec, [(field, own) for field, _, own in flat])
+        return g, spec, p, params_spec, [leaves for _, leaves, _ in flat]
 
     @torch.no_grad()
     def update(grads: Tree, state: Any, params: Tree | None = None) -> tuple[Tree, Any]:
-        g, spec = _leaves(grads)
-        p = _require(params, name)
-        new, new_state = step(g, p, spec, state)
+        if params is None:
+            raise ValueError(f"fdp.optim.{name} needs the params: call update(grads, state, params)")
+        g, spec, p, _, state_leaves = checked(grads, state, params, "update")
+        new, new_state = step(g, p, spec, state, state_leaves)
         return _tree.unflatten(spec, _difference(new, p)), new_state
 
     @torch.no_grad()
     def apply(grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
-        g, spec = _leaves(grads)
-        p, params_spec = _leaves(params)
-        mismatch = _mismatch(params, grads, params_spec, spec)
-        if mismatch is not None:
-            raise ValueError(
-                f"fdp.optim.{name}: apply_gradients got params {mismatch[0]} but grads {mismatch[1]}"
-            )
-        new, new_state = step(g, p, spec, state)
+        g, spec, p, params_spec, state_leaves = checked(grads, state, params, "apply_gradients")
+        new, new_state = step(g, p, spec, state, state_leaves)
         # The params' structure, as apply_updates gives: dicts compare equal in any key order.
         return _tree.unflatten(params_spec, new), new_state
 
@@ -198,6 +210,37 @@ def _differing(spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec) -> tuple[st
     return None if _tree.same_structure(spec_a, spec_b) else (str(spec_a), str(spec_b))
 
 
+def _verify(
+    name: str,
+    call: str,
+    spec: optree.PyTreeSpec,
+    params_spec: optree.PyTreeSpec,
+    buffers: list[tuple[str, optree.PyTreeSpec]],
+) -> None:
+    """Refuses grads (of structure ``spec``) unlike the params, and a state whose trees
+    (``buffers``: field and structure) are unlike the grads: zipped by position, their leaves
+    would pair a parameter with another's gradient or moments, silently."""
+    mismatch = _differing(params_spec, spec)
+    if mismatch is not None:
+        raise ValueError(f"fdp.optim.{name}: {call} got params {mismatch[0]} but grads {mismatch[1]}")
+    for field, own in buffers:
+        mismatch = _differing(spec, own)
+        if mismatch is not None:
+            raise ValueError(
+                f"fdp.optim.{name}: {call} got grads {mismatch[0]} but a state whose {field} is "
+                f"{mismatch[1]}; the state must come from init(params) for params of the grads' structure"
+            )
+
+
+@eager_under_compile
+def _verify_eagerly(
+    name: str, call: str, grads: Tree, params: Tree, trees: tuple[tuple[str, Tree], ...]
+) -> None:
+    """:func:`_verify` outside the graph, for the reason :func:`_mismatch_eagerly` gives."""
+    buffers = [(field, _leaves(tree)[1]) for field, tree in trees]
+    _verify(name, call, _leaves(grads)[1], _leaves(params)[1], buffers)
+
+
 def _zeros_like(tree: Tree) -> Tree:
     leaves, spec = _leaves(tree)
     return _tree.unflatten(spec, [torch.zeros_like(t, memory_format=torch.preserve_format) for t in leaves])
@@ -246,7 +289,9 @@ def sgd(
     def init(params: Tree) -> SgdState:
         return SgdState(0, _zeros_like(params) if momentum else None)
 
-    def step(g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState) -> tuple[Leaves, SgdState]:
+    def step(
+        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState, state_leaves: list[Leaves]
+    ) -> tuple[Leaves, SgdState]:
         if weight_decay:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         buffers: Leaves = None
@@ -254,19 +299,13 @@ def sgd(
             if state.step == 0:
                 buffers = [t.detach().clone() for t in g]
             else:
-                buffers = torch._foreach_mul(_leaves(state.momentum)[0], momentum)
+                buffers = torch._foreach_mul(state_leaves[0], momentum)
                 torch._foreach_add_(buffers, g, alpha=1 - dampening)
             g = torch._foreach_add(g, buffers, alpha=momentum) if nesterov else buffers
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
         return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
 
-    return _optimizer(init, step, "sgd")
-
-
-def _require(params: Tree | None, name: str) -> Leaves:
-    if params is None:
-        raise ValueError(f"fdp.optim.{name} needs the params: call update(grads, state, params)")
-    return _leaves(params)[0]
+    return _optimizer(init, step, "sgd", ("momentum",) if momentum else ())
 
 
 def _difference(new: Leaves, old: Leaves) -> Leaves:
@@ -285,12 +324,14 @@ def _adam(
     def init(params: Tree) -> AdamState:
         return AdamState(0, _zeros_like(params), _zeros_like(params))
 
-    def step(g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState) -> tuple[Leaves, AdamState]:
+    def step(
+        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState, state_leaves: list[Leaves]
+    ) -> tuple[Leaves, AdamState]:
         number = state.step + 1
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-        exp_avg = torch._foreach_lerp(_leaves(state.exp_avg)[0], g, 1 - beta1)
-        exp_avg_sq = torch._foreach_mul(_leaves(state.exp_avg_sq)[0], beta2)
+        exp_avg = torch._foreach_lerp(state_leaves[0], g, 1 - beta1)
+        exp_avg_sq = torch._foreach_mul(state_leaves[1], beta2)
         torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
         bias_correction1 = 1 - beta1**number
         bias_correction2 = 1 - beta2**number
@@ -303,7 +344,7 @@ def _adam(
         new_state = AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
         return torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size), new_state
 
-    return _optimizer(init, step, name)
+    return _optimizer(init, step, name, ("exp_avg", "exp_avg_sq"))
 
 
 def adam(

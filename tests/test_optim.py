@@ -178,6 +178,52 @@ def test_apply_gradients_with_grads_unlike_params() -> None:
         opt.apply_gradients({"v": torch.ones(1)}, opt.init({"w": torch.ones(1)}), {"w": torch.ones(1)})
 
 
+def test_update_with_grads_unlike_params() -> None:
+    # update checks grads against params as apply_gradients does: else a gradient is stepped
+    # against another key's parameter (here the weight decay of 'w' would land on 'v').
+    opt = optim.sgd(0.1, weight_decay=1.0)
+    with pytest.raises(ValueError, match="fdp.optim.sgd: update got params .* but grads"):
+        opt.update({"v": torch.ones(1)}, opt.init({"w": torch.ones(1)}), {"w": torch.ones(1)})
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    ("make", "field", "start"),
+    [
+        (lambda: optim.sgd(0.1, momentum=0.9), "momentum", 0),
+        (lambda: optim.sgd(0.1, momentum=0.9), "momentum", 3),
+        (lambda: optim.adam(0.1), "exp_avg", 5),
+        (lambda: optim.adamw(0.1), "exp_avg_sq", 5),
+    ],
+)
+def test_a_state_for_other_params_is_refused(
+    make: Callable[[], Any], field: str, start: int, one_pass: bool
+) -> None:
+    # A state made for keys a, b given with grads and params for keys b, c: zipped by position,
+    # b would be stepped with a's moments and the state silently re-keyed.
+    opt = make()
+    params = {"b": torch.zeros(2), "c": torch.zeros(2)}
+    other = opt.init({"a": torch.zeros(2), "b": torch.zeros(2)})
+    state = opt.init(params)._replace(step=start, **{field: getattr(other, field)})
+    call = opt.apply_gradients if one_pass else opt.update
+    name = "apply_gradients" if one_pass else "update"
+    with pytest.raises(
+        ValueError, match=rf"fdp\.optim\.\w+: {name} got grads .* but a state whose {field} is"
+    ):
+        call(params, state, params)
+    with pytest.raises(ValueError, match=f"state whose {field} is"):  # in a chain too
+        chained = optim.chain(optim.clip_by_global_norm(1.0), opt)
+        (chained.apply_gradients if one_pass else chained.update)(params, ((), state), params)
+
+
+def test_sgd_with_momentum_refuses_a_state_without_momentum() -> None:
+    params = {"w": torch.ones(2)}
+    state = optim.sgd(0.1).init(params)  # momentum None
+    opt = optim.sgd(0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="state whose momentum is PyTreeSpec\\(None"):
+        opt.apply_gradients(params, state._replace(step=1), params)
+
+
 def test_a_pair_rebuilt_from_the_same_functions_keeps_its_one_pass() -> None:
     opt = optim.adam(0.1)
     init, update = opt  # still a pair
@@ -296,6 +342,13 @@ def test_structure_check_runs_outside_the_graph_under_compile(monkeypatch: pytes
     assert optim.apply_updates(params, {"a": torch.ones(2), "b": torch.ones(3)})["b"].tolist() == [2.0] * 3
     with pytest.raises(ValueError, match="apply_updates: params are"):
         optim.apply_updates(params, {"a": torch.ones(2), "c": torch.ones(3)})
-    opt = optim.sgd(0.1)
+    opt = optim.sgd(0.1, momentum=0.9)
     with pytest.raises(ValueError, match="apply_gradients got params"):
         opt.apply_gradients({"a": torch.ones(2), "c": torch.ones(3)}, opt.init(params), params)
+    with pytest.raises(ValueError, match="update got params"):
+        opt.update({"a": torch.ones(2), "c": torch.ones(3)}, opt.init(params), params)
+    with pytest.raises(ValueError, match="state whose momentum is"):
+        opt.apply_gradients(params, opt.init({"a": torch.ones(2)}), params)
+    new, state = opt.apply_gradients(params, opt.init(params), params)
+    torch.testing.assert_close(new["b"], torch.full((3,), 0.9))
+    torch.testing.assert_close(state.momentum["b"], torch.ones(3))
