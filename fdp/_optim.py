@@ -144,7 +144,8 @@ def _optimizer(
         if torch.compiler.is_compiling():
             _verify_eagerly(name, call, grads, params, trees)
         else:
-            _verify(name, call, spec, params_spec, [(field, own) for field, _, own in flat])
+            buffer_specs = [(field, own) for field, _, own in flat]
+            _verify(name, call, grads, params, g, p, spec, params_spec, buffer_specs)
         return g, spec, p, params_spec, [leaves for _, leaves, _ in flat]
 
     @torch.no_grad()
@@ -188,57 +189,117 @@ def _leaves(tree: Tree) -> tuple[Leaves, optree.PyTreeSpec]:
     return _tree.flatten(tree)
 
 
-def _mismatch(
-    a: Tree, b: Tree, spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec
-) -> tuple[str, str] | None:
-    """The two structures, written out, where trees ``a`` and ``b`` (of specs ``spec_a`` and
-    ``spec_b``) differ; None where they are the same."""
-    if torch.compiler.is_compiling():
-        return _mismatch_eagerly(a, b)
-    return _differing(spec_a, spec_b)
-
-
-@eager_under_compile
-def _mismatch_eagerly(a: Tree, b: Tree) -> tuple[str, str] | None:
-    """:func:`_mismatch` outside the graph: torch 2.11's dynamo cannot compare two specs (its
-    stand-in for them compares their node types' functions, which it cannot trace)."""
-    return _differing(_leaves(a)[1], _leaves(b)[1])
-
-
 def _differing(spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec) -> tuple[str, str] | None:
     """The two structures written out if they differ, else None."""
     return None if _tree.same_structure(spec_a, spec_b) else (str(spec_a), str(spec_b))
 
 
+def _same_leaves(a: Leaves, b: Leaves) -> bool:
+    """Whether the tensors ``a`` have the shapes and dtypes of the tensors ``b``, position by
+    position. It runs in every training step: one pass of attribute reads over the leaf lists
+    (a few microseconds for tens of leaves), none over tensor memory."""
+    try:
+        for x, y in zip(a, b):
+            # dtypes are singletons, and ``is`` the cheapest test (the reads dominate anyway)
+            if x.dtype is not y.dtype or x.shape != y.shape:
+                return False
+    except AttributeError:  # a leaf that is not a tensor: _refuse_unlike says which
+        return False
+    return True
+
+
+def _refuse_unlike(
+    where: str, root: str, tree: Tree, params: Tree, leaves: Leaves, p: Leaves, *, cast: bool
+) -> None:
+    """Raises for the first leaf of ``tree`` (``root``: grads or updates, of ``params``'
+    structure) that is not a tensor of its parameter's shape and, unless ``cast``, dtype. With
+    ``cast``, only a complex leaf for a real parameter is refused for its dtype: the cast would
+    drop its imaginary part. Key paths are written here only, on the way to an error."""
+    got: object
+    expected: object
+    for i, (x, q) in enumerate(zip(leaves, p)):
+        if not (isinstance(x, torch.Tensor) and isinstance(q, torch.Tensor)):
+            kind, why = "type", "; both must be tensors"
+            got, expected = _tree.describe(x), _tree.describe(q)
+        elif x.shape != q.shape:
+            kind, why, got, expected = "shape", "", tuple(x.shape), tuple(q.shape)
+        elif x.dtype != q.dtype and not cast:
+            kind, got, expected = "dtype", x.dtype, q.dtype
+            why = "; as torch.optim, fdp.optim takes gradients of their parameters' dtypes"
+        elif x.dtype != q.dtype and x.is_complex() and not q.is_complex():
+            kind, got, expected = "dtype", x.dtype, q.dtype
+            why = "; a real parameter cannot take a complex update"
+        else:
+            continue
+        path = _tree.flatten_with_paths(tree, root)[0][i]
+        param = _tree.flatten_with_paths(params, "params")[0][i]
+        raise ValueError(f"{where} got {path} of {kind} {got} for {param} of {kind} {expected}{why}")
+
+
 def _verify(
     name: str,
     call: str,
+    grads: Tree,
+    params: Tree,
+    g: Leaves,
+    p: Leaves,
     spec: optree.PyTreeSpec,
     params_spec: optree.PyTreeSpec,
     buffers: list[tuple[str, optree.PyTreeSpec]],
 ) -> None:
-    """Refuses grads (of structure ``spec``) unlike the params, and a state whose trees
-    (``buffers``: field and structure) are unlike the grads: zipped by position, their leaves
-    would pair a parameter with another's gradient or moments, silently."""
+    """Refuses grads (leaves ``g``, structure ``spec``) unlike the params (``p``,
+    ``params_spec``), in structure or a leaf's shape or dtype (torch.optim refuses such a
+    ``.grad``), and a state whose trees (``buffers``: field and structure) are unlike the
+    grads: zipped by position, their leaves would pair a parameter with another's gradient or
+    moments, or broadcast into a new shape, silently."""
+    where = f"fdp.optim.{name}: {call}"
     mismatch = _differing(params_spec, spec)
     if mismatch is not None:
-        raise ValueError(f"fdp.optim.{name}: {call} got params {mismatch[0]} but grads {mismatch[1]}")
+        raise ValueError(f"{where} got params {mismatch[0]} but grads {mismatch[1]}")
     for field, own in buffers:
         mismatch = _differing(spec, own)
         if mismatch is not None:
             raise ValueError(
-                f"fdp.optim.{name}: {call} got grads {mismatch[0]} but a state whose {field} is "
-                f"{mismatch[1]}; the state must come from init(params) for params of the grads' structure"
+                f"{where} got grads {mismatch[0]} but a state whose {field} is {mismatch[1]}; "
+                "the state must come from init(params) for params of the grads' structure"
             )
+    if not _same_leaves(g, p):
+        _refuse_unlike(where, "grads", grads, params, g, p, cast=False)
 
 
 @eager_under_compile
 def _verify_eagerly(
     name: str, call: str, grads: Tree, params: Tree, trees: tuple[tuple[str, Tree], ...]
 ) -> None:
-    """:func:`_verify` outside the graph, for the reason :func:`_mismatch_eagerly` gives."""
+    """:func:`_verify` outside the graph, on the trees, while compiling: torch 2.11's dynamo
+    cannot compare two specs (its stand-in for them compares their node types' functions, which
+    it cannot trace)."""
+    g, spec = _leaves(grads)
+    p, params_spec = _leaves(params)
     buffers = [(field, _leaves(tree)[1]) for field, tree in trees]
-    _verify(name, call, _leaves(grads)[1], _leaves(params)[1], buffers)
+    _verify(name, call, grads, params, g, p, spec, params_spec, buffers)
+
+
+def _verify_updates(
+    params: Tree, updates: Tree, p: Leaves, u: Leaves, spec: optree.PyTreeSpec, other: optree.PyTreeSpec
+) -> bool:
+    """Refuses updates unlike the params in structure or a leaf's shape (or complex for a real
+    parameter); returns whether every update has its parameter's dtype."""
+    mismatch = _differing(spec, other)
+    if mismatch is not None:
+        raise ValueError(f"fdp.optim.apply_updates: params are {mismatch[0]} but updates are {mismatch[1]}")
+    if _same_leaves(u, p):
+        return True
+    _refuse_unlike("fdp.optim.apply_updates:", "updates", updates, params, u, p, cast=True)
+    return False
+
+
+@eager_under_compile
+def _verify_updates_eagerly(params: Tree, updates: Tree) -> bool:
+    """:func:`_verify_updates` outside the graph, as :func:`_verify_eagerly`."""
+    p, spec = _leaves(params)
+    u, other = _leaves(updates)
+    return _verify_updates(params, updates, p, u, spec, other)
 
 
 def _zeros_like(tree: Tree) -> Tree:
@@ -480,15 +541,33 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates``, leaf by leaf (in one ``torch._foreach_add``), without autograd.
 
+    Each update must have its parameter's shape exactly (no broadcasting). An update of another
+    dtype is added as torch promotes and the sum cast to the parameter's dtype, as optax does
+    (``(p + u).astype(p.dtype)``): parameters keep their dtypes, e.g. ``bfloat16`` parameters
+    with ``float32`` updates. A complex update for a real parameter is refused.
+
+    Args:
+        params: the parameters, a tree of tensors.
+        updates: the updates, a tree of tensors of the same structure and shapes.
+
+    Returns:
+        The new parameters, with the structure and dtypes of ``params``.
+
     Examples:
         >>> import torch
         >>> from fdp import optim
         >>> optim.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)})
         {'w': tensor([1.5000, 1.5000])}
+        >>> optim.apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
+        {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
     """
     p, spec = _leaves(params)
     u, other = _leaves(updates)
-    mismatch = _mismatch(params, updates, spec, other)
-    if mismatch is not None:
-        raise ValueError(f"fdp.optim.apply_updates: params are {mismatch[0]} but updates are {mismatch[1]}")
-    return _tree.unflatten(spec, torch._foreach_add(p, u))
+    if torch.compiler.is_compiling():
+        same_dtypes = _verify_updates_eagerly(params, updates)
+    else:
+        same_dtypes = _verify_updates(params, updates, p, u, spec, other)
+    new: Leaves = torch._foreach_add(p, u)
+    if not same_dtypes:  # optax's rule: the sum, computed as torch promotes, in the parameter's dtype
+        new = [t if t.dtype == q.dtype else t.to(q.dtype) for t, q in zip(new, p)]
+    return _tree.unflatten(spec, new)

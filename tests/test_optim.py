@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -224,6 +225,108 @@ def test_sgd_with_momentum_refuses_a_state_without_momentum() -> None:
         opt.apply_gradients(params, state._replace(step=1), params)
 
 
+OPTIMIZERS: dict[str, Callable[[], optim.GradientTransformation]] = {
+    "sgd": lambda: optim.sgd(0.1),
+    "sgd_momentum": lambda: optim.sgd(0.1, momentum=0.9, weight_decay=0.1),
+    "adam": lambda: optim.adam(0.1),
+    "adamw": lambda: optim.adamw(0.1),
+    "clip_then_adam": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adam(0.1)),
+}
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("shape", [(3, 1), (1,), ()])
+def test_gradients_of_another_shape_are_refused(name: str, one_pass: bool, shape: tuple[int, ...]) -> None:
+    # torch.optim refuses such a .grad; broadcast, it would change the parameter's shape.
+    with pytest.raises(RuntimeError, match="different size|same size"):
+        torch.zeros(3, requires_grad=True).grad = torch.ones(shape)
+    opt = OPTIMIZERS[name]()
+    params = {"b": torch.zeros(2), "layer": {"w": torch.zeros(3)}}
+    grads = {"b": torch.ones(2), "layer": {"w": torch.ones(shape)}}
+    state = opt.init(params)
+    for _ in range(2):  # also with a state past its first step (momentum buffers in use)
+        params, state = opt.apply_gradients(
+            {"b": torch.ones(2), "layer": {"w": torch.ones(3)}}, state, params
+        )
+    call = "apply_gradients" if one_pass else "update"
+    expected = rf"fdp\.optim\.\w+: {call} got grads\['layer'\]\['w'\] of shape {re.escape(str(shape))} "
+    expected += r"for params\['layer'\]\['w'\] of shape \(3,\)"
+    with pytest.raises(ValueError, match=expected):
+        (opt.apply_gradients if one_pass else opt.update)(grads, state, params)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.complex64])
+def test_gradients_of_another_dtype_are_refused(name: str, one_pass: bool, dtype: torch.dtype) -> None:
+    # torch.optim refuses such a .grad; fdp would promote the parameters (and the state).
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.zeros(3, requires_grad=True).grad = torch.ones(3, dtype=dtype)
+    opt = OPTIMIZERS[name]()
+    params = {"w": torch.zeros(3)}
+    call = "apply_gradients" if one_pass else "update"
+    expected = (
+        rf"fdp\.optim\.\w+: {call} got grads\['w'\] of dtype {dtype} for params\['w'\] of dtype torch.float32"
+    )
+    with pytest.raises(ValueError, match=expected):
+        (opt.apply_gradients if one_pass else opt.update)(
+            {"w": torch.ones(3, dtype=dtype)}, opt.init(params), params
+        )
+
+
+def test_gradients_that_are_not_tensors_are_refused() -> None:
+    opt = optim.sgd(0.1)
+    params = {"w": torch.zeros(3), "s": torch.zeros(())}
+    with pytest.raises(
+        ValueError, match=r"got grads\['s'\] of type float for params\['s'\] of type float32\[\]"
+    ):
+        opt.apply_gradients({"w": torch.ones(3), "s": 1.0}, opt.init(params), params)
+
+
+@pytest.mark.parametrize(("params_shape", "updates_shape"), [((1,), (3,)), ((3,), (3, 1)), ((3,), ())])
+def test_apply_updates_of_another_shape_are_refused(
+    params_shape: tuple[int, ...], updates_shape: tuple[int, ...]
+) -> None:
+    params = {"a": torch.zeros(2), "w": torch.zeros(params_shape)}
+    updates = {"a": torch.ones(2), "w": torch.ones(updates_shape)}
+    expected = rf"fdp\.optim\.apply_updates: got updates\['w'\] of shape {re.escape(str(updates_shape))} "
+    expected += rf"for params\['w'\] of shape {re.escape(str(params_shape))}"
+    with pytest.raises(ValueError, match=expected):
+        optim.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "update_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.float64, torch.float32),
+        (torch.complex64, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_apply_updates_keeps_the_parameters_dtypes(
+    param_dtype: torch.dtype, update_dtype: torch.dtype
+) -> None:
+    # optax's rule: (p + u).astype(p.dtype), the sum computed as the framework promotes.
+    torch.manual_seed(0)
+    params = {"a": torch.randn(2), "w": torch.randn(5).to(param_dtype)}
+    updates = {"a": torch.randn(2), "w": (1e-3 * torch.randn(5)).to(update_dtype)}
+    new = optim.apply_updates(params, updates)
+    assert new["w"].dtype == param_dtype and new["a"].dtype == torch.float32
+    assert torch.equal(new["w"], (params["w"] + updates["w"]).to(param_dtype))
+    assert torch.equal(new["a"], params["a"] + updates["a"])
+
+
+def test_apply_updates_refuses_a_complex_update_for_a_real_parameter() -> None:
+    # The cast to the parameter's dtype would drop the imaginary part.
+    with pytest.raises(
+        ValueError, match=r"updates\['w'\] of dtype torch.complex64 for params\['w'\] of dtype"
+    ):
+        optim.apply_updates({"w": torch.zeros(2)}, {"w": torch.ones(2, dtype=torch.complex64)})
+
+
 def test_a_pair_rebuilt_from_the_same_functions_keeps_its_one_pass() -> None:
     opt = optim.adam(0.1)
     init, update = opt  # still a pair
@@ -349,6 +452,14 @@ def test_structure_check_runs_outside_the_graph_under_compile(monkeypatch: pytes
         opt.update({"a": torch.ones(2), "c": torch.ones(3)}, opt.init(params), params)
     with pytest.raises(ValueError, match="state whose momentum is"):
         opt.apply_gradients(params, opt.init({"a": torch.ones(2)}), params)
+    with pytest.raises(ValueError, match=r"apply_gradients got grads\['b'\] of shape \(3, 1\)"):
+        opt.apply_gradients({"a": torch.ones(2), "b": torch.ones(3, 1)}, opt.init(params), params)
+    with pytest.raises(ValueError, match=r"update got grads\['b'\] of dtype torch.float64"):
+        opt.update({"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float64)}, opt.init(params), params)
+    with pytest.raises(ValueError, match=r"apply_updates: got updates\['a'\] of shape \(1,\)"):
+        optim.apply_updates(params, {"a": torch.ones(1), "b": torch.ones(3)})
+    cast = optim.apply_updates(params, {"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float64)})
+    assert cast["b"].dtype == torch.float32 and cast["b"].tolist() == [2.0] * 3
     new, state = opt.apply_gradients(params, opt.init(params), params)
     torch.testing.assert_close(new["b"], torch.full((3,), 0.9))
     torch.testing.assert_close(state.momentum["b"], torch.ones(3))
