@@ -353,6 +353,8 @@ def sgd(
     def step(
         g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState, state_leaves: list[Leaves]
     ) -> tuple[Leaves, SgdState]:
+        if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
+            return [], SgdState(state.step + 1, _tree.unflatten(spec, []) if momentum else None)
         if weight_decay:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         buffers: Leaves = None
@@ -371,7 +373,7 @@ def sgd(
 
 def _difference(new: Leaves, old: Leaves) -> Leaves:
     """``new - old``: the update that takes ``old`` to exactly ``new`` (see the module docstring)."""
-    return torch._foreach_sub(new, old)
+    return torch._foreach_sub(new, old) if new else []
 
 
 def _adam(
@@ -389,6 +391,8 @@ def _adam(
         g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState, state_leaves: list[Leaves]
     ) -> tuple[Leaves, AdamState]:
         number = state.step + 1
+        if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
+            return [], AdamState(number, _tree.unflatten(spec, []), _tree.unflatten(spec, []))
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         exp_avg = torch._foreach_lerp(state_leaves[0], g, 1 - beta1)
@@ -567,7 +571,7 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
         same_dtypes = _verify_updates_eagerly(params, updates)
     else:
         same_dtypes = _verify_updates(params, updates, p, u, spec, other)
-    new: Leaves = torch._foreach_add(p, u)
+    new: Leaves = torch._foreach_add(p, u) if p else []  # torch._foreach_* refuse empty lists
     if not same_dtypes:  # optax's rule: the sum, computed as torch promotes, in the parameter's dtype
         new = [t if t.dtype == q.dtype else t.to(q.dtype) for t, q in zip(new, p)]
     return _tree.unflatten(spec, new)

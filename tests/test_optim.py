@@ -327,6 +327,28 @@ def test_apply_updates_refuses_a_complex_update_for_a_real_parameter() -> None:
         optim.apply_updates({"w": torch.zeros(2)}, {"w": torch.ones(2, dtype=torch.complex64)})
 
 
+@pytest.mark.parametrize("empty", [{}, {"frozen": {}}, ()], ids=["dict", "nested", "tuple"])
+def test_empty_trees(empty: Any) -> None:
+    # A model without trainable parameters, an empty parameter group: optax maps over no leaves.
+    assert optim.apply_updates(empty, empty) == empty
+    for name, make in {
+        **OPTIMIZERS,
+        "sgd_nesterov": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True),
+    }.items():
+        opt = make()
+        for one_pass in (False, True):
+            state = opt.init(empty)
+            for step in (1, 2):
+                if one_pass:
+                    result, state = opt.apply_gradients(empty, state, empty)
+                else:
+                    result, state = opt.update(empty, state, empty)
+                assert result == empty, name
+                last = state if hasattr(state, "step") else state[-1]  # a chain's: its last
+                assert last.step == step, name
+            assert optree.tree_structure(state) == optree.tree_structure(opt.init(empty)), name
+
+
 def test_a_pair_rebuilt_from_the_same_functions_keeps_its_one_pass() -> None:
     opt = optim.adam(0.1)
     init, update = opt  # still a pair
