@@ -376,6 +376,20 @@ def _difference(new: Leaves, old: Leaves) -> Leaves:
     return torch._foreach_sub(new, old) if new else []
 
 
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+
+
+def _as_real(leaves: Leaves) -> Leaves:
+    """The complex tensors of ``leaves`` as real ones with a last axis of 2 (views, no copies)."""
+    return [torch.view_as_real(t) if t.is_complex() else t for t in leaves]
+
+
+def _as_complex(leaves: Leaves, like: Leaves) -> Leaves:
+    """:func:`_as_real` undone: the tensors of ``leaves`` whose counterpart in ``like`` is complex,
+    viewed as complex again."""
+    return [torch.view_as_complex(t) if q.is_complex() else t for t, q in zip(leaves, like)]
+
+
 def _adam(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool, name: str
 ) -> GradientTransformation:
@@ -395,8 +409,17 @@ def _adam(
             return [], AdamState(number, _tree.unflatten(spec, []), _tree.unflatten(spec, []))
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-        exp_avg = torch._foreach_lerp(state_leaves[0], g, 1 - beta1)
-        exp_avg_sq = torch._foreach_mul(state_leaves[1], beta2)
+        # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
+        start = torch._foreach_mul(p, 1 - lr * weight_decay) if weight_decay and decoupled else p
+        exp_avg, exp_avg_sq = state_leaves
+        complex_params = not _COMPLEX.isdisjoint([t.dtype for t in p])
+        if complex_params:
+            # torch.optim steps a complex parameter as the pairs of reals it holds (the
+            # view_as_real of gradient, parameter and moments): each part gets its own second
+            # moment, where complex g * g would mix them. The state stays complex, as torch's.
+            g, start, exp_avg, exp_avg_sq = map(_as_real, (g, start, exp_avg, exp_avg_sq))
+        exp_avg = torch._foreach_lerp(exp_avg, g, 1 - beta1)
+        exp_avg_sq = torch._foreach_mul(exp_avg_sq, beta2)
         torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
         bias_correction1 = 1 - beta1**number
         bias_correction2 = 1 - beta2**number
@@ -404,10 +427,10 @@ def _adam(
         denom = torch._foreach_sqrt(exp_avg_sq)
         torch._foreach_div_(denom, bias_correction2**0.5)
         torch._foreach_add_(denom, eps)
-        # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
-        start = torch._foreach_mul(p, 1 - lr * weight_decay) if weight_decay and decoupled else p
-        new_state = AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
-        return torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size), new_state
+        new = torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size)
+        if complex_params:
+            new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
+        return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
 
     return _optimizer(init, step, name, ("exp_avg", "exp_avg_sq"))
 
