@@ -9,6 +9,7 @@ step that takes and returns its state that way moves only what its collectives m
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -122,12 +123,17 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
     return optree.tree_map(place, tree, namespace=_tree.NAMESPACE)
 
 
+def _names(devices: Sequence[torch.device]) -> str:
+    return ", ".join(str(d) for d in devices)
+
+
 def unreplicate(tree: Any, index: int = 0) -> Any:
     """One replica's copy of a tree of :class:`PerReplica` leaves (flax's ``unreplicate``).
 
     Args:
         tree: a pytree whose leaves may be :class:`PerReplica`; other leaves are kept.
-        index: which replica's copy. Default: ``0``.
+        index: which replica's copy, from ``0``; negative indices count from the last, as in
+            Python. Default: ``0``.
 
     Returns:
         ``tree`` with every :class:`PerReplica` replaced by its ``index``-th value (on that
@@ -138,7 +144,18 @@ def unreplicate(tree: Any, index: int = 0) -> Any:
         >>> fdp.unreplicate(fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu"] * 2))
         {'w': tensor([1., 1.])}
     """
-    _tree.flatten(tree)  # registers dataclasses
+    try:
+        index = operator.index(index)
+    except TypeError:
+        raise TypeError(f"fdp.unreplicate: index must be an int, got {_tree.short_repr(index)}") from None
+    leaves, _ = _tree.flatten(tree)  # registers dataclasses
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, PerReplica) and not -len(leaf.values) <= index < len(leaf.values):
+            path = _tree.flatten_with_paths(tree, "tree")[0][i]
+            raise IndexError(
+                f"fdp.unreplicate: index {index} is out of range: {path} holds "
+                f"{len(leaf.values)} replicas ({_names(leaf.devices)})"
+            )
     return optree.tree_map(
         lambda leaf: leaf.values[index] if isinstance(leaf, PerReplica) else leaf,
         tree,

@@ -195,3 +195,16 @@ def test_per_replica_pass_through_is_not_copied(n: int) -> None:
     state = fdp.device_put_replicated({"w": torch.zeros(2)}, cpus(n))
     new = fdp.pmap(lambda s, x: s, devices=cpus(n), out_axes=fdp.PER_REPLICA)(state, torch.zeros(2))
     assert all(a is b for a, b in zip(new["w"], state["w"]))
+
+
+def test_unreplicate_out_of_range_names_the_index_and_replica_count() -> None:
+    state = fdp.device_put_replicated({"opt": {"w": torch.ones(2)}, "n": 0}, cpus(2))
+    assert torch.equal(fdp.unreplicate(state, -1)["opt"]["w"], state["opt"]["w"][1])  # as Python counts
+    for index in (2, 5, -3):
+        with pytest.raises(
+            IndexError,
+            match=rf"fdp\.unreplicate: index {index} is out of range: tree\['opt'\]\['w'\] holds 2 replicas",
+        ):
+            fdp.unreplicate(state, index)
+    with pytest.raises(TypeError, match="fdp.unreplicate: index must be an int, got slice"):
+        fdp.unreplicate(state, slice(0, 1))  # type: ignore[arg-type]
