@@ -95,7 +95,8 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
     each tensor leaf becomes a :class:`PerReplica` leaf. Every replica's copy is its own tensor,
     detached from ``tree``, also for duplicate devices such as ``["cpu", "cpu"]``, so replicas
     may update their state in place without touching each other's. Non-tensor leaves stay as
-    they are (every replica gets them anyway).
+    they are (every replica gets them anyway), and so do :class:`PerReplica` leaves already on
+    ``devices``, in that order; one on other devices is an error (:func:`unreplicate` it first).
 
     Args:
         tree: a pytree, e.g. ``{"params": ..., "opt_state": ...}``.
@@ -119,7 +120,17 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
         copies = [source.to(d, copy=True) for d in resolved]
         return PerReplica(copies, resolved)
 
-    _tree.flatten(tree)  # registers dataclasses
+    leaves, _ = _tree.flatten(tree)  # registers dataclasses
+    for i, leaf in enumerate(leaves):
+        # Placed already: kept where the devices match; elsewhere its replicas would not be
+        # the ones asked for, and a call over ``devices`` would find too many or too few.
+        if isinstance(leaf, PerReplica) and leaf.devices != resolved:
+            path = _tree.flatten_with_paths(tree, "tree")[0][i]
+            raise ValueError(
+                f"fdp.device_put_replicated: {path} is already placed, on {len(leaf.devices)} "
+                f"devices ({_names(leaf.devices)}), not on the {len(resolved)} devices given "
+                f"({_names(resolved)}); pass fdp.unreplicate(tree) to place one replica's copy"
+            )
     return optree.tree_map(place, tree, namespace=_tree.NAMESPACE)
 
 

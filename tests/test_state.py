@@ -208,3 +208,23 @@ def test_unreplicate_out_of_range_names_the_index_and_replica_count() -> None:
             fdp.unreplicate(state, index)
     with pytest.raises(TypeError, match="fdp.unreplicate: index must be an int, got slice"):
         fdp.unreplicate(state, slice(0, 1))  # type: ignore[arg-type]
+
+
+def test_device_put_replicated_keeps_state_placed_on_the_same_devices() -> None:
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(2))
+    again = fdp.device_put_replicated({**state, "b": torch.zeros(1)}, cpus(2))
+    assert again["w"] is state["w"] and len(again["b"]) == 2
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_device_put_replicated_refuses_state_placed_on_other_devices(n: int) -> None:
+    # Kept, its 2 replicas would reach a call over n devices, which refuses them only then.
+    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(2))
+    with pytest.raises(
+        ValueError,
+        match=rf"fdp\.device_put_replicated: tree\['w'\] is already placed, on 2 devices \(cpu, cpu\), "
+        rf"not on the {n} devices given .*fdp\.unreplicate",
+    ):
+        fdp.device_put_replicated(state, cpus(n))
+    placed = fdp.device_put_replicated(fdp.unreplicate(state), cpus(n))  # the way out
+    assert len(placed["w"]) == n
