@@ -139,14 +139,12 @@ def _optimizer(
         once they are known to match."""
         g, spec = _leaves(grads)
         p, params_spec = _leaves(params)
-        trees = tuple((field, getattr(state, field)) for field in buffers)
-        flat = [(field, *_leaves(tree)) for field, tree in trees]
+        flat = [_leaves(getattr(state, field)) for field in buffers]
         if torch.compiler.is_compiling():
-            _verify_eagerly(name, call, grads, params, trees)
+            _verify_eagerly(name, call, grads, params, state, buffers)
         else:
-            buffer_specs = [(field, own) for field, _, own in flat]
-            _verify(name, call, grads, params, g, p, spec, params_spec, buffer_specs)
-        return g, spec, p, params_spec, [leaves for _, leaves, _ in flat]
+            _verify(name, call, grads, params, g, p, spec, params_spec, buffers, [own for _, own in flat])
+        return g, spec, p, params_spec, [leaves for leaves, _ in flat]
 
     @torch.no_grad()
     def update(grads: Tree, state: Any, params: Tree | None = None) -> tuple[Tree, Any]:
@@ -245,39 +243,39 @@ def _verify(
     p: Leaves,
     spec: optree.PyTreeSpec,
     params_spec: optree.PyTreeSpec,
-    buffers: list[tuple[str, optree.PyTreeSpec]],
+    fields: tuple[str, ...],
+    specs: list[optree.PyTreeSpec],
 ) -> None:
     """Refuses grads (leaves ``g``, structure ``spec``) unlike the params (``p``,
     ``params_spec``), in structure or a leaf's shape or dtype (torch.optim refuses such a
-    ``.grad``), and a state whose trees (``buffers``: field and structure) are unlike the
+    ``.grad``), and a state whose trees (in ``fields``, of structures ``specs``) are unlike the
     grads: zipped by position, their leaves would pair a parameter with another's gradient or
     moments, or broadcast into a new shape, silently."""
-    where = f"fdp.optim.{name}: {call}"
     mismatch = _differing(params_spec, spec)
     if mismatch is not None:
-        raise ValueError(f"{where} got params {mismatch[0]} but grads {mismatch[1]}")
-    for field, own in buffers:
+        raise ValueError(f"fdp.optim.{name}: {call} got params {mismatch[0]} but grads {mismatch[1]}")
+    for field, own in zip(fields, specs):
         mismatch = _differing(spec, own)
         if mismatch is not None:
             raise ValueError(
-                f"{where} got grads {mismatch[0]} but a state whose {field} is {mismatch[1]}; "
-                "the state must come from init(params) for params of the grads' structure"
+                f"fdp.optim.{name}: {call} got grads {mismatch[0]} but a state whose {field} is "
+                f"{mismatch[1]}; the state must come from init(params) for params of the grads' structure"
             )
     if not _same_leaves(g, p):
-        _refuse_unlike(where, "grads", grads, params, g, p, cast=False)
+        _refuse_unlike(f"fdp.optim.{name}: {call}", "grads", grads, params, g, p, cast=False)
 
 
 @eager_under_compile
 def _verify_eagerly(
-    name: str, call: str, grads: Tree, params: Tree, trees: tuple[tuple[str, Tree], ...]
+    name: str, call: str, grads: Tree, params: Tree, state: Any, fields: tuple[str, ...]
 ) -> None:
     """:func:`_verify` outside the graph, on the trees, while compiling: torch 2.11's dynamo
     cannot compare two specs (its stand-in for them compares their node types' functions, which
     it cannot trace)."""
     g, spec = _leaves(grads)
     p, params_spec = _leaves(params)
-    buffers = [(field, _leaves(tree)[1]) for field, tree in trees]
-    _verify(name, call, grads, params, g, p, spec, params_spec, buffers)
+    specs = [_leaves(getattr(state, field))[1] for field in fields]
+    _verify(name, call, grads, params, g, p, spec, params_spec, fields, specs)
 
 
 def _verify_updates(

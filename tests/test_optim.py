@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fdp import _optim as optim_module
+from fdp import _tree as fdp_tree
 from fdp import optim
 
 Config = tuple[
@@ -380,6 +381,22 @@ def test_apply_updates_refuses_a_complex_update_for_a_real_parameter() -> None:
         ValueError, match=r"updates\['w'\] of dtype torch.complex64 for params\['w'\] of dtype"
     ):
         optim.apply_updates({"w": torch.zeros(2)}, {"w": torch.ones(2, dtype=torch.complex64)})
+
+
+def test_the_checks_write_key_paths_only_for_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # They run in every training step: the success path reads shapes and dtypes, nothing more.
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("key paths written on the success path")
+
+    monkeypatch.setattr(fdp_tree, "flatten_with_paths", refuse)
+    params = {"w": torch.ones(3), "b": torch.zeros(1, dtype=torch.float64)}
+    for opt in (optim.sgd(0.1, momentum=0.9), optim.adamw(0.1)):
+        state = opt.init(params)
+        for _ in range(2):
+            updates, state = opt.update(params, state, params)
+            params = optim.apply_updates(params, updates)
+            params, state = opt.apply_gradients(params, state, params)
+    optim.apply_updates(params, {"w": torch.ones(3, dtype=torch.float64), "b": torch.zeros(1)})
 
 
 @pytest.mark.parametrize("empty", [{}, {"frozen": {}}, ()], ids=["dict", "nested", "tuple"])
