@@ -24,8 +24,10 @@ import datetime
 import importlib
 import os
 import queue
+import re
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -403,28 +405,84 @@ def _polls(state: _State, device: torch.device) -> bool:
 
 def _wait(state: _State, work: Any, what: str, device: torch.device) -> None:
     """Waits for ``work`` on ``device``'s tensors, failing fast when another rank has recorded
-    a failure."""
+    a failure or its connection is lost."""
     if not _polls(state, device):
         work.wait()
         return
-    deadline = datetime.datetime.now() + state.timeout
+    deadline = time.monotonic() + state.timeout.total_seconds()
     while True:
         try:
             work.wait(_POLL)
             return
         except RuntimeError as error:
-            _raise_if_rank_failed(state, what, error)
-            if datetime.datetime.now() > deadline:
-                raise RankFailed(
-                    f"fdp.distributed: {what} timed out after {state.timeout} on rank {state.rank}; "
-                    "another rank may be hung"
-                ) from error
+            if work.is_completed():
+                # Not a slice of waiting that ran out (unless the work finished just after it):
+                # the work failed, and every later wait would say so again at once
+                # ("Connection closed by peer" from a rank that died).
+                try:
+                    work.wait()
+                except RuntimeError as failure:
+                    _raise_failure(state, what, failure)
+                    raise
+                return
+            failed = _failed_rank(state)
+            if failed is not None:
+                if _succeeded(work):  # it finished just now, before the other rank failed
+                    return
+                _raise_rank_failed(state, what, failed, error)
+            if time.monotonic() > deadline:
+                raise RankFailed(_timed_out(state, what)) from error
+
+
+def _succeeded(work: Any) -> bool:
+    if not work.is_completed():
+        return False
+    try:
+        work.wait()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _timed_out(state: _State, what: str) -> str:
+    return (
+        f"fdp.distributed: {what} timed out after {state.timeout} on rank {state.rank}; another rank "
+        "may be hung"
+    )
+
+
+def _raise_rank_failed(state: _State, what: str, failed: tuple[int, str], error: BaseException) -> None:
+    raise RankFailed(f"fdp.distributed: rank {failed[0]} failed during {what}: {failed[1]}") from error
 
 
 def _raise_if_rank_failed(state: _State, what: str, error: BaseException) -> None:
     failed = _failed_rank(state)
     if failed is not None:
-        raise RankFailed(f"fdp.distributed: rank {failed[0]} failed during {what}: {failed[1]}") from error
+        _raise_rank_failed(state, what, failed, error)
+
+
+# How gloo reports a peer that went away, and where it was.
+_LOST_PEER = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused", re.IGNORECASE)
+_ADDRESS = re.compile(r"\[[^\]]*\]:\d+")
+
+
+def _raise_failure(state: _State, what: str, error: BaseException) -> None:
+    """Raises what a failed process-group call means for the user, if fdp knows: a rank that
+    recorded its failure, one that went away without a word, or the group's timeout. (Other
+    errors are the caller's to re-raise as they are.)"""
+    _raise_if_rank_failed(state, what, error)
+    text = str(error)
+    if _LOST_PEER.search(text):
+        peer = f"rank {1 - state.rank}" if state.world_size == 2 else "another rank"
+        address = _ADDRESS.search(text)
+        at = f" at {address.group(0)}" if address else ""
+        raise RankFailed(
+            f"fdp.distributed: rank {state.rank} lost its connection to {peer}{at} during {what}: "
+            "that process has probably died without recording a failure (killed, out of memory, "
+            f"os._exit); see its log. gloo: {text.splitlines()[0] if text else ''}"
+        ) from error
+    if "timed out" in text.lower():
+        raise RankFailed(_timed_out(state, what)) from error
 
 
 def _run(what: str, issue: Callable[[], Any], device: torch.device) -> None:
@@ -436,7 +494,7 @@ def _run(what: str, issue: Callable[[], Any], device: torch.device) -> None:
         try:
             handle = issue()
         except RuntimeError as error:
-            _raise_if_rank_failed(state, what, error)
+            _raise_failure(state, what, error)
             raise
         _wait(state, handle, what, device)
 
@@ -487,7 +545,7 @@ def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
             try:
                 handles.append(dist.all_reduce(bucket, op=reduce_op, async_op=True))
             except RuntimeError as error:
-                _raise_if_rank_failed(state, what, error)
+                _raise_failure(state, what, error)
                 raise
         for handle in handles:
             _wait(state, handle, what, result.device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 import traceback
 from pathlib import Path
 
@@ -182,3 +184,25 @@ def group_freed_at_shutdown(rank: int, world: int, folder: str) -> None:
     finally:
         fdp.distributed.shutdown()
     report(folder, rank, {"running": running, "after_shutdown": gloo_threads()})
+
+
+def dying_rank(rank: int, world: int, folder: str) -> None:
+    """Rank 1 dies without a word (os._exit) while rank 0 waits for it in a psum: gloo reports the
+    closed connection at once, and rank 0 must fail at once too, not spin until the timeout."""
+    start(rank, world, folder, timeout=30.0)
+
+    def f(x):
+        if fdp.distributed.rank() == 1:
+            time.sleep(1)
+            os._exit(3)
+        return fdp.psum(x, "i")
+
+    began, cpu = time.monotonic(), time.process_time()
+    try:
+        fdp.pmap(f, axis_name="i", devices=["cpu"])(torch.ones(2))
+        result = {"error": None}
+    except BaseException as error:  # noqa: BLE001
+        result = {"error": type(error).__name__, "message": str(error)}
+    result |= {"seconds": time.monotonic() - began, "cpu_seconds": time.process_time() - cpu}
+    report(folder, rank, result)
+    fdp.distributed.shutdown()

@@ -161,3 +161,14 @@ def test_default_backend_on_a_cuda_machine_serves_cpu_tensors_too(
         assert not _distributed._polls(state, torch.device("cuda", 0))
     finally:
         fdp.distributed.shutdown()
+
+
+def test_a_rank_that_dies_makes_the_others_fail_at_once_naming_it(tmp_path: Path) -> None:
+    # gloo reports the closed connection at once; waiting again would report it again, at once,
+    # in a loop that spins a core until the timeout (30 s here), then blames a hang.
+    results, codes = spawn(distributed_workers.dying_rank, tmp_path)
+    assert codes[1] == 3
+    rank0 = results[0]
+    assert rank0["error"] == "RankFailed", rank0
+    assert "lost its connection to rank 1" in rank0["message"], rank0
+    assert rank0["seconds"] < 10 and rank0["cpu_seconds"] < 5, rank0
