@@ -78,6 +78,10 @@ class _State:
     timeout: datetime.timedelta
     communicator: _Communicator
     owns_group: bool
+    attempt: int  # torchrun's restart count: failures recorded by earlier attempts are not news
+    # The pmapped calls that spanned the processes so far, the current one included: the same
+    # on every rank, as their calls are (SPMD). Failure records name the call they belong to.
+    calls: int = 0
 
 
 _STATE: _State | None = None
@@ -291,22 +295,27 @@ def initialize(
     if "nccl" in backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     owns_group = not dist.is_initialized()
+    # torchrun's agent keeps its store across restarts (--max-restarts): what attempt 0 left
+    # there (its failure records, gloo's addresses) must not reach attempt 1.
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if store is None:
-        # As torch's own env:// rendezvous: under torchrun the agent may host the store.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            _env_int("MASTER_PORT"),
-            world_size,
-            is_master=rank == 0 and not agent_store,
-            timeout=timeout,
-        )
+        store = _rendezvous_store(rank, world_size, timeout, attempt)
     if owns_group:
         _import_group_defaults()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         backend = str(dist.get_backend())  # what the group runs, for _polls
-    _STATE = _State(rank, world_size, local_rank, backend, store, timeout, _Communicator(), owns_group)
+    _STATE = _State(
+        rank,
+        world_size,
+        local_rank,
+        backend,
+        store,
+        timeout,
+        _Communicator(),
+        owns_group,
+        attempt,
+    )
     previous_hook = sys.excepthook
 
     def record_uncaught(kind: type[BaseException], error: BaseException, trace: Any) -> None:
@@ -314,6 +323,21 @@ def initialize(
         previous_hook(kind, error, trace)
 
     sys.excepthook = record_uncaught
+
+
+def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta, attempt: int) -> Any:
+    """A new ``TCPStore`` client (or server, on rank 0 when torchrun's agent hosts none) at
+    ``MASTER_ADDR:MASTER_PORT``."""
+    # As torch's own env:// rendezvous: under torchrun the agent may host the store.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        _env_int("MASTER_PORT"),
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"fdp/attempt_{attempt}", store) if agent_store else store
 
 
 def _import_group_defaults() -> None:
@@ -353,6 +377,14 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# --- failures --------------------------------------------------------------------------------------
+#
+# A failure is recorded under the rank's key with the number of the pmapped call it belongs to
+# (``_State.calls``, which every rank counts alike). A rank waiting in a collective of call ``c``
+# takes a record of call ``c`` or later as news, and older ones as failures that every rank has
+# left behind: ranks that all catch a failed call and go on are not failed by it later.
+
+
 def record_failure(error: BaseException) -> None:
     """Tells the other ranks that this one failed, so their collectives stop waiting for it.
 
@@ -374,23 +406,44 @@ def record_failure(error: BaseException) -> None:
         ...     fdp.distributed.record_failure(error)  # not initialized: no other rank to tell
     """
     state = _STATE
-    if state is None:
-        return
+    if state is not None:
+        # Between calls: the ranks waiting in the current call's collectives (its backward)
+        # or in the next call's need to know.
+        _record(state, error, state.calls + 1)
+
+
+def record_call_failure(error: BaseException) -> None:
+    """Records the failure of the current pmapped call (past its exchange of replica counts):
+    news to the ranks still waiting in this call's collectives, not to later calls."""
+    state = _STATE
+    if state is not None:
+        _record(state, error, state.calls)
+
+
+def _failure_key(state: _State, rank: int) -> str:
+    return f"{_FAILURE_PREFIX}{state.attempt}/{rank}"
+
+
+def _record(state: _State, error: BaseException, call: int) -> None:
     message = "".join(traceback.format_exception_only(type(error), error)).strip()
     with contextlib.suppress(Exception):  # the store may be gone already: nothing more to tell
-        state.store.set(f"{_FAILURE_PREFIX}{state.rank}", message)
+        state.store.set(_failure_key(state, state.rank), f"{call}\n{message}")
 
 
 def _failed_rank(state: _State) -> tuple[int, str] | None:
+    """A rank that recorded a failure of the current call (or a later one), and its message."""
     for other in range(state.world_size):
         if other == state.rank:
             continue
-        key = f"{_FAILURE_PREFIX}{other}"
+        key = _failure_key(state, other)
         try:
-            if state.store.check([key]):
-                return other, state.store.get(key).decode()
+            if not state.store.check([key]):
+                continue
+            call, _, message = state.store.get(key).decode().partition("\n")
         except Exception:  # noqa: BLE001 - a store that is gone tells nothing
             return None
+        if int(call) >= state.calls:
+            return other, message
     return None
 
 
@@ -591,7 +644,8 @@ class _AllGather(torch.autograd.Function):
 
 
 def replica_counts(local: int) -> list[int]:
-    """Every process's number of local replicas for this call (one all_gather)."""
+    """Every process's number of local replicas for a new pmapped call (one all_gather)."""
+    _state().calls += 1
     counts = _gather(torch.tensor([local], dtype=torch.int64))
     return [int(c) for c in counts.flatten()]
 

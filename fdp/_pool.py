@@ -574,7 +574,7 @@ def _reported_failure(
     """The call's primary failure (see :func:`_primary_error`), told to the other processes."""
     failure = _primary_error(errors, devices, caller)
     if group.distributed:
-        _distributed.record_failure(failure)  # other processes stop waiting for this one
+        _distributed.record_call_failure(failure)  # other processes stop waiting for this one
     return failure
 
 

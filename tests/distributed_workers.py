@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -206,3 +207,58 @@ def dying_rank(rank: int, world: int, folder: str) -> None:
     result |= {"seconds": time.monotonic() - began, "cpu_seconds": time.process_time() - cpu}
     report(folder, rank, result)
     fdp.distributed.shutdown()
+
+
+def recovered_failure(rank: int, world: int, folder: str) -> None:
+    """Every rank catches a failed call and goes on; in the next call rank 1 is slower, and rank 0
+    waits for it in a psum: the failure every rank left behind must not fail it."""
+    start(rank, world, folder)
+    try:
+
+        def bad(x):
+            raise ValueError("skip this batch")
+
+        with contextlib.suppress(ValueError):
+            fdp.pmap(bad, axis_name="i", devices=["cpu"])(torch.ones(2))
+
+        def good(x):
+            if fdp.distributed.rank() == 1:
+                time.sleep(2)
+            return fdp.psum(x.sum(), "i")[None]
+
+        try:
+            result = {"psum": fdp.pmap(good, axis_name="i", devices=["cpu"])(torch.ones(2)).tolist()}
+        except Exception as error:  # noqa: BLE001
+            result = {"error": type(error).__name__, "message": str(error)}
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
+def restarted_attempts(rank: int, world: int, folder: str) -> None:
+    """Two torchrun attempts on one store (torchrun's agent keeps its store across restarts):
+    rank 1 fails in attempt 0; in attempt 1 it is only slower, and must not be taken as failed."""
+    torch.set_num_threads(1)
+    base = dist.FileStore(str(Path(folder) / "store"), world)
+    result = {}
+    for attempt in (0, 1):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+        group_store = dist.PrefixStore(f"attempt{attempt}", base)
+        dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world)
+        fdp.distributed.initialize(rank=rank, world_size=world, store=base, timeout=30.0)
+
+        def step(x, attempt=attempt):
+            if fdp.distributed.rank() == 1:
+                if attempt == 0:
+                    raise ValueError("attempt 0: rank 1 hits a bad batch")
+                time.sleep(2)
+            return fdp.psum(x.sum(), "i")[None]
+
+        try:
+            result[str(attempt)] = fdp.pmap(step, axis_name="i", devices=["cpu"])(torch.ones(2)).tolist()
+        except Exception as error:  # noqa: BLE001
+            result[str(attempt)] = f"{type(error).__name__}: {error}"
+        finally:
+            fdp.distributed.shutdown()
+            dist.destroy_process_group()
+    report(folder, rank, result)

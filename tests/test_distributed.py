@@ -172,3 +172,17 @@ def test_a_rank_that_dies_makes_the_others_fail_at_once_naming_it(tmp_path: Path
     assert rank0["error"] == "RankFailed", rank0
     assert "lost its connection to rank 1" in rank0["message"], rank0
     assert rank0["seconds"] < 10 and rank0["cpu_seconds"] < 5, rank0
+
+
+def test_a_failure_every_rank_recovered_from_does_not_fail_later_calls(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.recovered_failure, tmp_path)
+    assert codes == [0, 0], results
+    assert all(r == {"psum": [4.0]} for r in results), results
+
+
+def test_a_failure_of_an_earlier_torchrun_attempt_does_not_fail_the_next(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.restarted_attempts, tmp_path)
+    assert codes == [0, 0], results
+    assert results[0]["0"].startswith("RankFailed: fdp.distributed: rank 1 failed"), results
+    assert results[1]["0"].startswith("ValueError: attempt 0"), results
+    assert all(r["1"] == [4.0] for r in results), results
