@@ -263,6 +263,10 @@ class _Op:
     def key(self) -> Hashable:
         return (self.name, self.transposes)
 
+    def label(self) -> str:
+        """The op as messages name it (a backward's names the forward collective's number)."""
+        return _replica._describe(self.key())
+
     def transposed(self, op: _OpT) -> _OpT:
         """``op`` marked as the backward of this (already run) op."""
         op.transposes = self.round
@@ -333,7 +337,7 @@ class _AllReduce(_Op):
             stacked = torch.stack([_transfer.to_device(b, destination) for b in buffers])
             total = stacked.amax(0) if self.reduce == "max" else stacked.amin(0)
             if group.distributed:
-                total = _distributed.all_reduce(total, self.reduce)
+                total = _distributed.all_reduce(total, self.reduce, self.label())
             return _distribute(total, devices, buffers)
         weight_sum = self._weight_sum(extras, group)
         if self.scaling == "weighted_in":
@@ -341,7 +345,7 @@ class _AllReduce(_Op):
         else:
             total = _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
         if group.distributed:
-            total = _distributed.all_reduce(total, "sum")
+            total = _distributed.all_reduce(total, "sum", self.label())
         if self.scaling == "mean":
             total = total / group.global_size
         results = _distribute(total, devices, buffers)
@@ -399,7 +403,11 @@ class _AllReduce(_Op):
             return 1.0
         weight_sum = float(sum(extras))
         if group.distributed:
-            weight_sum = float(_distributed.all_reduce(torch.tensor(weight_sum, dtype=torch.float64), "sum"))
+            weight_sum = float(
+                _distributed.all_reduce(
+                    torch.tensor(weight_sum, dtype=torch.float64), "sum", f"{self.label()}'s weights"
+                )
+            )
         if not weight_sum > 0:
             raise ValueError(
                 f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
@@ -432,7 +440,7 @@ def _gathered(buffers: list[torch.Tensor], group: _replica.CallGroup, caller: st
             f"they run {group.counts}; give every process the same share of the batch "
             "(fdp.distributed.shard_batch)"
         )
-    gathered = _distributed.all_gather(stacked)
+    gathered = _distributed.all_gather(stacked, caller)
     return gathered.reshape(-1, *stacked.shape[1:])
 
 
@@ -461,7 +469,7 @@ class _ReduceScatter(_Op):
         moved = [_transfer.to_device(b, destination) for b in buffers]
         total = _transfer.reduce_add(moved, destination) if len(moved) > 1 else moved[0]
         if group.distributed:
-            total = _distributed.all_reduce(total, "sum")
+            total = _distributed.all_reduce(total, "sum", self.label())
         return [_transfer.to_device(total[group.offset + r], b.device).clone() for r, b in enumerate(buffers)]
 
 

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import importlib
 import os
 import queue
 import re
+import struct
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,9 @@ __all__ = [
 
 _FAILURE_PREFIX = "fdp/failure/"
 _POLL = datetime.timedelta(seconds=0.5)
+# The descriptor that every process-level collective is checked with (see _agree): 8 bytes of
+# payload (a replica count), then the description's text.
+_CHECK_BYTES = 256
 
 
 class RankFailed(RuntimeError):
@@ -538,33 +543,168 @@ def _raise_failure(state: _State, what: str, error: BaseException) -> None:
         raise RankFailed(_timed_out(state, what)) from error
 
 
-def _run(what: str, issue: Callable[[], Any], device: torch.device) -> None:
-    """Issues ``issue()`` (an async process-group call on ``device``'s tensors) on the
-    communicator and waits for it."""
+# --- checking that every process is at the same collective ---------------------------------------
+#
+# Before each process-level collective, the processes exchange what they are about to call (one
+# all_gather of a fixed size, whatever the collective): the collective's name and options, the
+# tensor's dtype and shape, and the number of the pmapped call. Where the entries differ, every
+# rank raises the same ValueError before any of them starts a collective that would not match
+# (a wrong result, a hang, or an abort in gloo). A small CPU tensor travels in the same exchange:
+# its collective then needs no second one, and costs no more than without the check.
+
+
+def _slot_bytes(world: int) -> int:
+    """The room for a tensor in the exchange: 8 KiB between 2 processes, less with more (every
+    process receives every other's)."""
+    return min(8192, 65536 // world) // 16 * 16
+
+
+def _describe_tensor(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(str(n) for n in tensor.shape)}]"
+
+
+def _encode(entry: str, payload: int, data: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """``payload``, ``entry`` (a long one cut, its digest kept: the comparison still sees all of
+    it) and ``data``'s bytes, if given, in a byte tensor of the exchange's fixed size."""
+    text = entry.encode()
+    room = _CHECK_BYTES - 8
+    if len(text) > room:
+        text = text[: room - 8] + hashlib.blake2b(text, digest_size=8).digest()
+    raw = bytearray(_CHECK_BYTES + slot)
+    struct.pack_into("<q", raw, 0, payload)
+    raw[8 : 8 + len(text)] = text
+    buffer = torch.frombuffer(raw, dtype=torch.uint8)
+    if data is not None:
+        flat = data.reshape(-1).view(torch.uint8)
+        buffer[_CHECK_BYTES : _CHECK_BYTES + flat.numel()] = flat
+    return buffer
+
+
+def _decode(entry: bytes) -> list[str]:
+    """The fields of an entry that :func:`_encode` wrote (after its payload)."""
+    data = entry.rstrip(b"\0")
+    if len(data) == _CHECK_BYTES - 8:  # cut, with a digest at the end
+        data = data[:-8] + b"..."
+    return data.decode(errors="replace").split("\x1f")
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+def _disagreement(rows: list[bytes]) -> str:
+    """The message for processes whose entries differ: what each group of ranks called."""
+    groups: dict[bytes, list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(row[8:], []).append(r)
+    entries = [(_decode(entry) + ["?"] * 5)[:5] for entry in groups]
+    ranks = list(groups.values())
+    if len({(kind, name, detail, call) for kind, name, detail, _, call in entries}) == 1:
+        _, name, detail, _, call = entries[0]
+        passed = ", ".join(f"{tensor} on {_ranks(rs)}" for (*_, tensor, _), rs in zip(entries, ranks))
+        return (
+            f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
+            f"pmapped call #{call}): {passed}. Every process must pass the same shapes and dtypes; "
+            "with uneven shares, reduce per-replica values to equal shapes first (e.g. a sum, with "
+            "fdp.pmean's weight= for means)."
+        )
+
+    def called(entry: list[str]) -> str:
+        kind, name, detail, tensor, call = entry
+        if kind == "call":
+            return f"started pmapped call #{call}"
+        return f"called {name} ({detail} of {tensor}; pmapped call #{call})"
+
+    return (
+        "fdp.distributed: the processes called different collectives at the same point: "
+        + "; ".join(f"{_ranks(rs)} {called(entry)}" for entry, rs in zip(entries, ranks))
+        + ". Every process must call the same collectives, with the same options, in the same "
+        "order, as every replica must (no collective behind a condition that differs between "
+        "processes, and every process making the same pmapped calls)."
+    )
+
+
+def _agree(
+    state: _State, entry: str, payload: int | None, what: str, data: torch.Tensor | None
+) -> tuple[list[int], list[torch.Tensor] | None]:
+    """Every process's ``payload`` (if given) once every process is found at the same
+    collective (one all_gather of ``entry``), and every process's ``data`` (in rank order) when it
+    is a CPU tensor small enough to travel along; a ValueError naming what each called
+    otherwise, on every rank alike."""
+    slot = _slot_bytes(state.world_size)
+    carried = data is not None and data.device.type == "cpu" and data.numel() * data.element_size() <= slot
+    mine = _encode(entry, payload or 0, data if carried else None, slot)
+    parts = [torch.empty_like(mine) for _ in range(state.world_size)]
+    try:
+        handle = dist.all_gather(parts, mine, async_op=True)
+    except RuntimeError as error:
+        _raise_failure(state, what, error)
+        raise
+    _wait(state, handle, what, mine.device)
+    own = mine[8:_CHECK_BYTES]
+    if not all(torch.equal(p[8:_CHECK_BYTES], own) for p in parts):
+        raise ValueError(_disagreement([p[:_CHECK_BYTES].numpy().tobytes() for p in parts]))
+    payloads = [] if payload is None else [int(p[:8].view(torch.int64)) for p in parts]
+    if not carried:  # (on no rank: the entries, which hold the shapes and dtypes, agree)
+        return payloads, None
+    assert data is not None
+    size = data.numel() * data.element_size()
+    return payloads, [p[_CHECK_BYTES : _CHECK_BYTES + size].view(data.dtype).view(data.shape) for p in parts]
+
+
+def _collective(
+    name: str,
+    detail: str,
+    tensor: torch.Tensor | None,
+    issues: Sequence[Callable[[], Any]],
+    payload: int | None = None,
+    *,
+    kind: str = "collective",
+) -> tuple[list[int], list[torch.Tensor] | None]:
+    """Checks that every process is at this collective (:func:`_agree`), then, unless
+    ``tensor`` travelled along, issues ``issues`` (async process-group calls on ``tensor``'s
+    device) on the communicator, all before any is waited for, and waits for them. Returns every
+    process's ``payload``, and every process's ``tensor`` if it travelled along."""
     state = _state()
+    described = "" if tensor is None else _describe_tensor(tensor)
+    entry = "\x1f".join((kind, name, detail, described, str(state.calls)))
+    what = f"{name} ({detail})"
+    device = torch.device("cpu") if tensor is None else tensor.device
 
-    def work() -> None:
-        try:
-            handle = issue()
-        except RuntimeError as error:
-            _raise_failure(state, what, error)
-            raise
-        _wait(state, handle, what, device)
+    def work() -> tuple[list[int], list[torch.Tensor] | None]:
+        payloads, carried = _agree(state, entry, payload, what, tensor if issues else None)
+        if carried is not None:
+            return payloads, carried
+        handles = []
+        for issue in issues:
+            try:
+                handles.append(issue())
+            except RuntimeError as error:
+                _raise_failure(state, what, error)
+                raise
+        for handle in handles:
+            _wait(state, handle, what, device)
+        return payloads, None
 
-    state.communicator.call(work, device)
+    done: tuple[list[int], list[torch.Tensor] | None] = state.communicator.call(work, device)
+    return done
 
 
 # --- process-level collectives (differentiable) ----------------------------------------------------
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """The elementwise sum/max/min of ``tensor`` over the processes, differentiably."""
-    return _AllReduce.apply(tensor, op)
+def all_reduce(tensor: torch.Tensor, op: str = "sum", name: str = "a collective") -> torch.Tensor:
+    """The elementwise sum/max/min of ``tensor`` over the processes, differentiably (``name``:
+    the collective, for messages)."""
+    result: torch.Tensor = _AllReduce.apply(tensor, op, name)
+    return result
 
 
-def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, name: str = "a collective") -> torch.Tensor:
     """Every process's ``tensor`` stacked along a new dim 0 (rank order), differentiably."""
-    return _AllGather.apply(tensor)
+    result: torch.Tensor = _AllGather.apply(tensor, name)
+    return result
 
 
 # DDP's bucket sizes: a small first bucket, so that communication starts early, then 25 MiB.
@@ -584,70 +724,79 @@ def _buckets(flat: torch.Tensor) -> list[torch.Tensor]:
     return pieces
 
 
-def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+def _reduce(tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
     """The all-reduce of ``tensor``, done as DDP does it: buckets of at most 25 MiB (1 MiB first),
-    one all_reduce each, all launched before any is waited for."""
+    one all_reduce each, all launched before any is waited for. (A small CPU tensor travels in
+    the exchange that checks the collective, and is reduced here.)"""
     result = tensor.detach().clone().contiguous()
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    state = _state()
-    what = f"an all_reduce ({op})"
-
-    def work() -> None:
-        handles = []
-        for bucket in _buckets(result.view(-1)):
-            try:
-                handles.append(dist.all_reduce(bucket, op=reduce_op, async_op=True))
-            except RuntimeError as error:
-                _raise_failure(state, what, error)
-                raise
-        for handle in handles:
-            _wait(state, handle, what, result.device)
-
-    state.communicator.call(work, result.device)
+    issues = [
+        lambda bucket=bucket: dist.all_reduce(bucket, op=reduce_op, async_op=True)
+        for bucket in _buckets(result.view(-1))
+    ]
+    _, carried = _collective(name, f"an all_reduce ({op})", result, issues)
+    if carried is not None:
+        # In rank order, one elementwise operation at a time: the same bits on every rank.
+        result = carried[0].clone()
+        for other in carried[1:]:
+            if op == "sum":
+                result.add_(other)
+            elif op == "max":
+                torch.maximum(result, other, out=result)
+            else:
+                torch.minimum(result, other, out=result)
     return result
 
 
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
+def _gather(tensor: torch.Tensor, name: str) -> torch.Tensor:
     source = tensor.detach().contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size())]
-    _run("an all_gather", lambda: dist.all_gather(parts, source, async_op=True), source.device)
-    return torch.stack(parts)
+    _, carried = _collective(
+        name, "an all_gather", source, [lambda: dist.all_gather(parts, source, async_op=True)]
+    )
+    return torch.stack(parts if carried is None else carried)
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:  # type: ignore[override]
-        result = _reduce(tensor, op)
-        ctx.op = op
+    def forward(ctx: Any, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:  # type: ignore[override]
+        result = _reduce(tensor, op, name)
+        ctx.op, ctx.name = op, name
         if op != "sum":
             ctx.save_for_backward((tensor == result).to(tensor.dtype))
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        total = all_reduce(grad, "sum")  # every process's cotangent, for every process's input
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        name = f"the backward of {ctx.name}"
+        total = all_reduce(grad, "sum", name)  # every process's cotangent, for every process's input
         if ctx.op == "sum":
-            return total, None
+            return total, None, None
         (mask,) = ctx.saved_tensors
-        ties = all_reduce(mask, "sum")
-        return total * mask / ties, None
+        ties = all_reduce(mask, "sum", name)
+        return total * mask / ties, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _gather(tensor)
+    def forward(ctx: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.name = name
+        return _gather(tensor, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return all_reduce(grad, "sum")[rank()]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return all_reduce(grad, "sum", f"the backward of {ctx.name}")[rank()], None
 
 
 def replica_counts(local: int) -> list[int]:
-    """Every process's number of local replicas for a new pmapped call (one all_gather)."""
-    _state().calls += 1
-    counts = _gather(torch.tensor([local], dtype=torch.int64))
-    return [int(c) for c in counts.flatten()]
+    """Every process's number of local replicas for a new pmapped call (one small all_gather,
+    which also checks that every process starts a pmapped call here)."""
+    state = _state()
+    state.calls += 1
+    counts, _ = _collective(
+        "the start of a pmapped call", "an exchange of replica counts", None, [], local, kind="call"
+    )
+    return counts
 
 
 # --- data ------------------------------------------------------------------------------------------

@@ -48,6 +48,11 @@ def collectives(rank: int, world: int, folder: str) -> None:
             "ppermute": f(lambda x: fdp.ppermute(x[:1], "i", [(j, (j + 1) % 4) for j in range(4)]))(
                 shard
             ).tolist(),
+            # Past the 8 KiB that travel with the check: a process-group call of their own.
+            "psum_large": f(lambda x: fdp.psum(x.sum() * torch.arange(3000.0), "i")[-1:])(shard).tolist(),
+            "all_gather_large": f(lambda x: fdp.all_gather(x.sum() * torch.ones(3000), "i")[:, -1][None])(
+                shard
+            ).tolist(),
         }
         # Outer backward through a collective: the full batch's gradient.
         w = torch.tensor(2.0, requires_grad=True)
@@ -262,3 +267,34 @@ def restarted_attempts(rank: int, world: int, folder: str) -> None:
             fdp.distributed.shutdown()
             dist.destroy_process_group()
     report(folder, rank, result)
+
+
+def mismatched_collectives(rank: int, world: int, folder: str) -> None:
+    """The ranks disagree on a collective: its kind, shape or dtype; last, rank 1 skips a psum and
+    starts its next call while rank 0 is in that psum."""
+    start(rank, world, folder, timeout=20.0)
+    r = rank
+    cases = {
+        "op": lambda x: fdp.psum(x, "i") if r == 0 else fdp.pmax(x, "i"),
+        "mean": lambda x: fdp.psum(x, "i") if r == 0 else fdp.pmean(x, "i"),
+        "shape": lambda x: fdp.psum(torch.ones(3 + r), "i"),
+        "dtype": lambda x: fdp.psum(torch.ones(2, dtype=(torch.float32, torch.float64)[r]), "i"),
+        "large": lambda x: fdp.psum(torch.ones(5000 + r), "i"),  # past what travels with the check
+        "skipped": lambda x: fdp.psum(x, "i") if r == 0 else x,
+    }
+    result = {}
+    try:
+        for case, body in cases.items():
+            f = fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])
+            began = time.monotonic()
+            try:
+                out = f(torch.tensor([1.0, 10.0]) * (r + 1))
+                if case == "skipped" and r == 1:
+                    out = f(torch.ones(2))  # its next call, while rank 0 is still in the psum
+                result[case] = {"returned": out.tolist()}
+            except Exception as error:  # noqa: BLE001
+                result[case] = {"error": type(error).__name__, "message": str(error)}
+            result[case]["seconds"] = time.monotonic() - began
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()

@@ -60,6 +60,8 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
         assert r["pmean"] == [4.5, 4.5]
         assert r["pmax"] == [8.0, 8.0]
         assert r["all_gather"] == [[3.0, 7.0, 11.0, 15.0]] * 2
+        assert r["psum_large"] == [36.0 * 2999] * 2
+        assert r["all_gather_large"] == [[3.0, 7.0, 11.0, 15.0]] * 2
     # Each rank's backward() differentiates the sum of every rank's output (psum's transpose sums
     # all cotangents) with respect to its own inputs: 2 ranks x its own rows' 2 * 2 * x^2.
     assert rank0["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(1, 5)))
@@ -186,3 +188,23 @@ def test_a_failure_of_an_earlier_torchrun_attempt_does_not_fail_the_next(tmp_pat
     assert results[0]["0"].startswith("RankFailed: fdp.distributed: rank 1 failed"), results
     assert results[1]["0"].startswith("ValueError: attempt 0"), results
     assert all(r["1"] == [4.0] for r in results), results
+
+
+def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_path: Path) -> None:
+    # As replicas of one process do: a ValueError naming the collectives, on every rank, at
+    # once; not a wrong result, a hang until the timeout, or an abort in gloo.
+    results, codes = spawn(distributed_workers.mismatched_collectives, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:
+        for case in ("op", "mean", "shape", "dtype", "large", "skipped"):
+            assert r[case].get("error") == "ValueError", (case, r[case])
+            assert r[case]["seconds"] < 10, (case, r[case])
+    for r in results:
+        assert "rank 0 called fdp.psum" in r["op"]["message"], r["op"]
+        assert "rank 1 called fdp.pmax" in r["op"]["message"], r["op"]
+        assert "rank 1 called fdp.pmean" in r["mean"]["message"], r["mean"]
+        assert "float32[3] on rank 0, float32[4] on rank 1" in r["shape"]["message"], r["shape"]
+        assert "float32[2] on rank 0, float64[2] on rank 1" in r["dtype"]["message"], r["dtype"]
+        assert "float32[5000] on rank 0, float32[5001] on rank 1" in r["large"]["message"], r["large"]
+    skipped = results[1]["skipped"]["message"]
+    assert "rank 0 called fdp.psum" in skipped and "rank 1 started pmapped call" in skipped, skipped
