@@ -257,10 +257,11 @@ def initialize(
             machines too), else ``"gloo"``.
         timeout: how long a collective may wait for other ranks (seconds or a timedelta).
             Default: ``300.0``.
-        rank: this process's rank. Default: ``None``, from ``RANK``.
-        world_size: the number of processes. Default: ``None``, from ``WORLD_SIZE``.
-        store: a ``torch.distributed`` store (tests pass a ``FileStore``). Default: ``None``, a
-            ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
+        rank: this process's rank. Default: ``None``, the existing group's, else from ``RANK``.
+        world_size: the number of processes. Default: ``None``, the existing group's, else from
+            ``WORLD_SIZE``.
+        store: a ``torch.distributed`` store (tests pass a ``FileStore``). Default: ``None``, the
+            existing group's store, else a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
 
     Raises:
         RuntimeError: when ``RANK``, ``WORLD_SIZE`` (or, without ``store``, ``MASTER_PORT``) is
@@ -289,8 +290,12 @@ def initialize(
         raise RuntimeError("fdp.distributed.initialize was already called in this process")
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
-    rank = _env_int("RANK") if rank is None else rank
-    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        rank = _env_int("RANK") if rank is None else rank
+        world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    else:
+        rank, world_size = _existing_group_ranks(rank, world_size)
     local_rank = _env_int("LOCAL_RANK", rank)
     if backend is None:
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
@@ -299,12 +304,11 @@ def initialize(
         backend = "cpu:gloo,cuda:nccl"
     if "nccl" in backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    owns_group = not dist.is_initialized()
     # torchrun's agent keeps its store across restarts (--max-restarts): what attempt 0 left
     # there (its failure records, gloo's addresses) must not reach attempt 1.
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if store is None:
-        store = _rendezvous_store(rank, world_size, timeout, attempt)
+        store = _rendezvous_store(rank, world_size, timeout, attempt, owns_group)
     if owns_group:
         _import_group_defaults()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -330,16 +334,35 @@ def initialize(
     sys.excepthook = record_uncaught
 
 
-def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta, attempt: int) -> Any:
-    """A new ``TCPStore`` client (or server, on rank 0 when torchrun's agent hosts none) at
-    ``MASTER_ADDR:MASTER_PORT``."""
+def _existing_group_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and the world size in the process group that already exists."""
+    actual = (dist.get_rank(), dist.get_world_size())
+    given = (actual[0] if rank is None else rank, actual[1] if world_size is None else world_size)
+    if given != actual:
+        raise ValueError(
+            f"fdp.distributed.initialize: rank={given[0]}, world_size={given[1]} were asked for, but "
+            f"the existing process group has this process as rank {actual[0]} of {actual[1]}"
+        )
+    return actual
+
+
+def _rendezvous_store(
+    rank: int, world_size: int, timeout: datetime.timedelta, attempt: int, owns_group: bool
+) -> Any:
+    """The store fdp talks through: the existing group's, else a new ``TCPStore`` client (or
+    server, on rank 0 when torchrun's agent hosts none) at ``MASTER_ADDR:MASTER_PORT``."""
+    if not owns_group:
+        # A second server on the group's port would fail (EADDRINUSE); fdp's keys ("fdp/...")
+        # keep out of the group's own.
+        with contextlib.suppress(Exception):  # a private torch function: connect if it is gone
+            return dist.distributed_c10d._get_default_store()
     # As torch's own env:// rendezvous: under torchrun the agent may host the store.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ.get("MASTER_ADDR", "127.0.0.1"),
         _env_int("MASTER_PORT"),
         world_size,
-        is_master=rank == 0 and not agent_store,
+        is_master=rank == 0 and not agent_store and owns_group,
         timeout=timeout,
     )
     return dist.PrefixStore(f"fdp/attempt_{attempt}", store) if agent_store else store

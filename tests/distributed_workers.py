@@ -298,3 +298,22 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()
+
+
+def existing_group(rank: int, world: int, folder: str) -> None:
+    """A process group made with env:// before fdp.distributed.initialize (mp.spawn, srun, ...)."""
+    import torch.distributed.nn.functional  # noqa: F401 - before the group (docs/distributed.md)
+
+    torch.set_num_threads(1)
+    port = (Path(folder) / "port").read_text()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo")
+    try:
+        fdp.distributed.initialize(timeout=20.0)
+        out = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])(torch.ones(1) * (rank + 1))
+        result = {"psum": out.tolist(), "rank": fdp.distributed.rank(), "world": fdp.distributed.world_size()}
+    except Exception as error:  # noqa: BLE001
+        result = {"error": type(error).__name__, "message": str(error)}
+    report(folder, rank, result)
+    fdp.distributed.shutdown()
+    dist.destroy_process_group()

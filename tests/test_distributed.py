@@ -208,3 +208,20 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         assert "float32[5000] on rank 0, float32[5001] on rank 1" in r["large"]["message"], r["large"]
     skipped = results[1]["skipped"]["message"]
     assert "rank 0 called fdp.psum" in skipped and "rank 1 started pmapped call" in skipped, skipped
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_initialize_joins_a_process_group_made_beforehand(tmp_path: Path) -> None:
+    # Made with env://, whose store rank 0 hosts on MASTER_PORT: initialize must not host
+    # another there (EADDRINUSE), but use the group's.
+    (tmp_path / "port").write_text(str(free_port()))
+    results, codes = spawn(distributed_workers.existing_group, tmp_path)
+    assert codes == [0, 0], results
+    assert results == [{"psum": [3.0], "rank": r, "world": 2} for r in range(2)], results
