@@ -337,7 +337,10 @@ class _AllReduce(_Op):
             stacked = torch.stack([_transfer.to_device(b, destination) for b in buffers])
             total = stacked.amax(0) if self.reduce == "max" else stacked.amin(0)
             if group.distributed:
-                total = _distributed.all_reduce(total, self.reduce, self.label())
+                # amax/amin split the gradient among the local replicas that hold the extreme:
+                # the processes split it in proportion to how many each has.
+                ties = (stacked.detach() == total.detach()).sum(0)
+                total = _distributed.all_reduce(total, self.reduce, self.label(), ties)
             return _distribute(total, devices, buffers)
         weight_sum = self._weight_sum(extras, group)
         if self.scaling == "weighted_in":

@@ -717,10 +717,16 @@ def _collective(
 # --- process-level collectives (differentiable) ----------------------------------------------------
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", name: str = "a collective") -> torch.Tensor:
-    """The elementwise sum/max/min of ``tensor`` over the processes, differentiably (``name``:
-    the collective, for messages)."""
-    result: torch.Tensor = _AllReduce.apply(tensor, op, name)
+def all_reduce(
+    tensor: torch.Tensor, op: str = "sum", name: str = "a collective", ties: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The elementwise sum/max/min of ``tensor`` over the processes, differentiably.
+
+    ``name``: the collective, for messages. ``ties`` (max/min): how many of this process's
+    replicas hold the local extreme value, elementwise; the gradient goes to every replica of
+    every process that holds the global one, in equal parts.
+    """
+    result: torch.Tensor = _AllReduce.apply(tensor, op, name, ties)
     return result
 
 
@@ -782,22 +788,29 @@ def _gather(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, tensor: torch.Tensor, op: str, name: str, ties: torch.Tensor | None
+    ) -> torch.Tensor:
         result = _reduce(tensor, op, name)
         ctx.op, ctx.name = op, name
         if op != "sum":
-            ctx.save_for_backward((tensor == result).to(tensor.dtype))
+            # Where this process holds the extreme value, weighted by how many of its replicas
+            # hold it (the local max/min splits its gradient among them in equal parts).
+            mask = (tensor == result).to(tensor.dtype)
+            ctx.save_for_backward(mask if ties is None else mask * ties.to(tensor.dtype))
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         name = f"the backward of {ctx.name}"
-        total = all_reduce(grad, "sum", name)  # every process's cotangent, for every process's input
         if ctx.op == "sum":
-            return total, None, None
+            # Every process's cotangent, for every process's input.
+            return all_reduce(grad, "sum", name), None, None, None
         (mask,) = ctx.saved_tensors
-        ties = all_reduce(mask, "sum", name)
-        return total * mask / ties, None, None
+        # The cotangents and the tied replicas' counts, summed in one collective: each tied
+        # replica of every process gets an equal part of the total.
+        both = all_reduce(torch.stack([grad, mask.to(grad.dtype)]), "sum", name)
+        return both[0] * mask / both[1], None, None, None
 
 
 class _AllGather(torch.autograd.Function):

@@ -317,3 +317,25 @@ def existing_group(rank: int, world: int, folder: str) -> None:
     report(folder, rank, result)
     fdp.distributed.shutdown()
     dist.destroy_process_group()
+
+
+def tied_extremes(rank: int, world: int, folder: str) -> None:
+    """2 ranks x 2 replicas, backward() through pmax/pmin where 3 of the 4 replicas tie."""
+    start(rank, world, folder)
+    try:
+        result = {}
+        for name, collective, values in (
+            ("pmax", fdp.pmax, [5.0, 5.0, 5.0, 1.0]),
+            ("pmin", fdp.pmin, [1.0, 1.0, 1.0, 5.0]),
+        ):
+            x = torch.tensor(values[2 * rank : 2 * rank + 2], requires_grad=True)
+            f = fdp.pmap(
+                lambda x, collective=collective: collective(x.sum(), "i")[None],
+                axis_name="i",
+                devices=["cpu", "cpu"],
+            )
+            f(x).sum().backward()
+            result[name] = x.grad.tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()

@@ -225,3 +225,13 @@ def test_initialize_joins_a_process_group_made_beforehand(tmp_path: Path) -> Non
     results, codes = spawn(distributed_workers.existing_group, tmp_path)
     assert codes == [0, 0], results
     assert results == [{"psum": [3.0], "rank": r, "world": 2} for r in range(2)], results
+
+
+def test_pmax_and_pmin_gradients_through_the_call_split_ties_over_every_process(tmp_path: Path) -> None:
+    # 3 of the 4 replicas (2 per rank) tie; the 4 outputs' cotangents (1 each) go to the tied
+    # replicas in equal parts, 4/3 each, as in one process with 4 replicas.
+    results, codes = spawn(distributed_workers.tied_extremes, tmp_path)
+    assert codes == [0, 0], results
+    for name in ("pmax", "pmin"):
+        assert results[0][name] == pytest.approx([4 / 3, 4 / 3]), results
+        assert results[1][name] == pytest.approx([4 / 3, 0.0]), results
