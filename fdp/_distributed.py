@@ -448,6 +448,16 @@ def record_call_failure(error: BaseException) -> None:
         _record(state, error, state.calls)
 
 
+def skip_call(error: BaseException) -> None:
+    """A pmapped call with an axis name failed here before its exchange of replica counts (an
+    empty share of the batch, say). It counts as a call all the same, as on the ranks that
+    reached that exchange, and they learn of the failure at once rather than at the timeout."""
+    state = _STATE
+    if state is not None:
+        state.calls += 1
+        _record(state, error, state.calls)
+
+
 def _failure_key(state: _State, rank: int) -> str:
     return f"{_FAILURE_PREFIX}{state.attempt}/{rank}"
 
@@ -870,11 +880,31 @@ def shard_batch(batch: Any, *, local_replicas: int = 1, split: _split.SplitRule 
     rows = tensors[0].shape[0]
     replicas = world_size() * local_replicas
     sizes = list(_split.shard_sizes(rows, replicas, split)) + [0] * replicas
+    if split == "chunk":
+        _check_chunks(rows, sizes, local_replicas)
     start = sum(sizes[: rank() * local_replicas])
     stop = start + sum(sizes[rank() * local_replicas : (rank() + 1) * local_replicas])
     return _tree.unflatten(
         spec, [t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves]
     )
+
+
+def _check_chunks(rows: int, sizes: list[int], local_replicas: int) -> None:
+    """Refuses a ``"chunk"`` split whose shares ``fdp.pmap(split="chunk")`` would cut otherwise
+    than one process cuts the whole batch: a process's pmapped call sees only its share, and
+    chunks it by its own size. (Every rank finds the same, from the same global batch.)"""
+    for process in range(world_size()):
+        own = [s for s in sizes[process * local_replicas : (process + 1) * local_replicas] if s]
+        local = list(_split.shard_sizes(sum(own), local_replicas, "chunk")) if own else []
+        if local != own:
+            raise ValueError(
+                f"fdp.distributed.shard_batch: with split='chunk', one process running all "
+                f"{world_size()} x {local_replicas} replicas would give process {process}'s replicas "
+                f"{own} rows, but fdp.pmap(split='chunk') cuts that process's {sum(own)} rows into "
+                f"{local}: its replicas would not get the rows (nor see the axis_size) they would in "
+                f"one process. Use split='balanced' in shard_batch and fdp.pmap (sizes that differ "
+                f"by at most one), or a batch of a multiple of {world_size() * local_replicas} rows."
+            )
 
 
 def global_layout(local: int) -> tuple[int, int, list[int]]:

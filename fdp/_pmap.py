@@ -290,15 +290,22 @@ class Pmapped(Generic[P, R]):
         outputs and the devices of the replicas that ran."""
         caller = self._caller
         _pool.ensure_not_in_replica(caller)  # before any copy to a device
-        scattered = _scatter.scatter_leaves(
-            leaves,
-            plan.axes,
-            devices,
-            self.split,
-            caller=caller,
-            paths=lambda: self._paths(parts, roots),
-            all_zero=plan.all_zero,
-        )
+        try:
+            scattered = _scatter.scatter_leaves(
+                leaves,
+                plan.axes,
+                devices,
+                self.split,
+                caller=caller,
+                paths=lambda: self._paths(parts, roots),
+                all_zero=plan.all_zero,
+            )
+        except Exception as error:
+            if self.axis_name is not None:  # under fdp.distributed, the others must not wait for it
+                from . import _distributed  # local: only a failing call needs it
+
+                _distributed.skip_call(error)
+            raise
         n = len(scattered.devices)
         replicas = [
             functools.partial(self._call_replica, _tree.unflatten(treespec, row), statics)

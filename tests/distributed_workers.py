@@ -339,3 +339,61 @@ def tied_extremes(rank: int, world: int, folder: str) -> None:
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()
+
+
+def chunked_shares(rank: int, world: int, folder: str) -> None:
+    """shard_batch with split="chunk": refused where a process's pmapped call would cut its share
+    otherwise than one process cuts the whole batch, the rows of one process otherwise."""
+    start(rank, world, folder)
+    try:
+        result: dict = {}
+        try:
+            fdp.distributed.shard_batch(torch.arange(10.0), local_replicas=4, split="chunk")
+            result["ten_rows"] = "accepted"
+        except ValueError as error:
+            result["ten_rows"] = str(error)
+        share = fdp.distributed.shard_batch(torch.arange(30.0), local_replicas=4, split="chunk")
+        f = fdp.pmap(
+            lambda x: torch.tensor([[len(x), fdp.axis_index("i"), fdp.axis_size("i")]]),
+            axis_name="i",
+            devices=["cpu"] * 4,
+            split="chunk",
+        )
+        result["thirty_rows"] = f(share).tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
+def empty_shares(rank: int, world: int, folder: str) -> None:
+    """Calls that fail before their exchange of replica counts: on every rank (an empty batch
+    everywhere: the ranks go on), then on rank 1 only (its share of a 1-row batch is empty)."""
+    start(rank, world, folder, timeout=30.0)
+    psum = fdp.pmap(lambda x: fdp.psum(x.sum(), "i")[None], axis_name="i", devices=["cpu"])
+
+    def slow_on_rank_1(x):
+        if fdp.distributed.rank() == 1:
+            time.sleep(2)
+        return fdp.psum(x.sum(), "i")[None]
+
+    result: dict = {}
+    try:
+        try:
+            psum(torch.ones(0))
+        except ValueError as error:
+            result["everywhere"] = str(error)
+        try:
+            result["after"] = fdp.pmap(slow_on_rank_1, axis_name="i", devices=["cpu"])(torch.ones(2)).tolist()
+        except Exception as error:  # noqa: BLE001
+            result["after"] = f"{type(error).__name__}: {error}"
+        began = time.monotonic()
+        try:
+            psum(fdp.distributed.shard_batch(torch.ones(1)))
+        except Exception as error:  # noqa: BLE001
+            result["one_row"] = {"error": type(error).__name__, "message": str(error)}
+        result["seconds"] = time.monotonic() - began
+        report(folder, rank, result)
+        if rank == 1:
+            time.sleep(5)  # alive and connected: rank 0 must learn of the failure from its record
+    finally:
+        fdp.distributed.shutdown()

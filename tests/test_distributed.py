@@ -235,3 +235,28 @@ def test_pmax_and_pmin_gradients_through_the_call_split_ties_over_every_process(
     for name in ("pmax", "pmin"):
         assert results[0][name] == pytest.approx([4 / 3, 4 / 3]), results
         assert results[1][name] == pytest.approx([4 / 3, 0.0]), results
+
+
+def test_shard_batch_refuses_chunks_that_a_process_would_cut_otherwise(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.chunked_shares, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:
+        # 10 rows over 8 replicas are 5 chunks of 2: process 1 holds 2 rows, which its own
+        # pmapped call would cut into 2 chunks of 1.
+        assert "split='chunk'" in r["ten_rows"] and "[1, 1]" in r["ten_rows"], r
+    # 30 rows over 8 replicas: 7 chunks of 4 and one of 2, as in one process.
+    assert results[0]["thirty_rows"] == [[4, i, 8] for i in range(4)], results
+    assert results[1]["thirty_rows"] == [[4, 4, 8], [4, 5, 8], [4, 6, 8], [2, 7, 8]], results
+
+
+def test_a_call_that_fails_before_its_exchange_of_replica_counts_tells_the_others(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.empty_shares, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:
+        assert "got an empty batch" in r["everywhere"], r
+        assert r["after"] == [4.0], r  # the failure every rank had is not news later
+    assert results[1]["one_row"]["error"] == "ValueError", results
+    assert results[0]["one_row"]["error"] == "RankFailed", results
+    assert "rank 1 failed" in results[0]["one_row"]["message"], results
+    assert "got an empty batch" in results[0]["one_row"]["message"], results
+    assert results[0]["seconds"] < 4, results  # not the 30 s timeout
