@@ -229,7 +229,13 @@ def _env_int(name: str, default: int | None = None) -> int:
                 "rank, world_size and store"
             )
         return default
-    return int(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"fdp.distributed.initialize: the environment variable {name} must be an integer, but "
+            f"it is {value!r}"
+        ) from None
 
 
 def initialize(
@@ -297,13 +303,22 @@ def initialize(
     else:
         rank, world_size = _existing_group_ranks(rank, world_size)
     local_rank = _env_int("LOCAL_RANK", rank)
+    given_backend = backend
     if backend is None:
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     elif backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     if "nccl" in backend:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not gpus:
+            raise RuntimeError(
+                f"fdp.distributed.initialize(backend={given_backend!r}): NCCL needs CUDA GPUs, but "
+                "this process sees none (torch.cuda.is_available() is False). Use "
+                "backend='gloo' (or leave backend=None, which picks gloo without CUDA) and CPU "
+                "replicas."
+            )
+        torch.cuda.set_device(local_rank % gpus)
     # torchrun's agent keeps its store across restarts (--max-restarts): what attempt 0 left
     # there (its failure records, gloo's addresses) must not reach attempt 1.
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)

@@ -260,3 +260,23 @@ def test_a_call_that_fails_before_its_exchange_of_replica_counts_tells_the_other
     assert "rank 1 failed" in results[0]["one_row"]["message"], results
     assert "got an empty batch" in results[0]["one_row"]["message"], results
     assert results[0]["seconds"] < 4, results  # not the 30 s timeout
+
+
+def test_nccl_without_gpus_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"backend='nccl'.*GPU"):
+        fdp.distributed.initialize(backend="nccl", rank=0, world_size=1, store=dist.HashStore())
+    assert not fdp.distributed.is_initialized()
+
+
+def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"RANK.*'zero'"):
+        fdp.distributed.initialize(backend="gloo")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", "29x")
+    with pytest.raises(ValueError, match=r"MASTER_PORT.*'29x'"):
+        fdp.distributed.initialize(backend="gloo")
+    assert not fdp.distributed.is_initialized()
