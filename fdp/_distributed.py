@@ -83,6 +83,7 @@ class _State:
     timeout: datetime.timedelta
     communicator: _Communicator
     owns_group: bool
+    group: Any  # the default process group joined: one the user destroys is noticed
     attempt: int  # torchrun's restart count: failures recorded by earlier attempts are not news
     # The pmapped calls that spanned the processes so far, the current one included: the same
     # on every rank, as their calls are (SPMD). Failure records name the call they belong to.
@@ -154,15 +155,44 @@ def _state() -> _State:
     return _STATE
 
 
+def _group_alive(state: _State) -> bool:
+    """Whether the process group that :func:`initialize` joined is still the default one."""
+    return state.group is not None and dist.group.WORLD is state.group
+
+
+def _live_state() -> _State:
+    """The state, for work that talks to the other processes: refused, with a message saying
+    why, once the process group was destroyed behind fdp's back."""
+    state = _state()
+    if not _group_alive(state):
+        raise RuntimeError(
+            "fdp.distributed: the process group that fdp.distributed.initialize() joined no longer "
+            "exists (torch.distributed.destroy_process_group() was called, or the group was "
+            "replaced): pmapped calls with an axis_name cannot span the processes. Leave with "
+            "fdp.distributed.shutdown() instead (it destroys the group it created), or call "
+            "fdp.distributed.initialize() again to join a new group."
+        )
+    return state
+
+
+def joined() -> bool:
+    """Whether pmapped calls with an axis name span the processes: :func:`initialize` has run
+    and :func:`shutdown` has not (their collectives fail, saying so, if the group was
+    destroyed meanwhile)."""
+    return _STATE is not None
+
+
 def is_initialized() -> bool:
-    """Whether :func:`initialize` has run in this process (and :func:`shutdown` has not).
+    """Whether :func:`initialize` has run in this process, :func:`shutdown` has not, and the
+    process group it joined still exists (``torch.distributed.destroy_process_group()`` ends
+    it: call :func:`shutdown` instead, or :func:`initialize` again).
 
     Examples:
         >>> import fdp
         >>> fdp.distributed.is_initialized()  # a plain process, not launched by torchrun
         False
     """
-    return _STATE is not None
+    return _STATE is not None and _group_alive(_STATE)
 
 
 def rank() -> int:
@@ -293,7 +323,9 @@ def initialize(
     """
     global _STATE
     if _STATE is not None:
-        raise RuntimeError("fdp.distributed.initialize was already called in this process")
+        if _group_alive(_STATE):
+            raise RuntimeError("fdp.distributed.initialize was already called in this process")
+        shutdown()  # its group was destroyed behind fdp's back: start again
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     owns_group = not dist.is_initialized()
@@ -338,6 +370,7 @@ def initialize(
         timeout,
         _Communicator(),
         owns_group,
+        dist.group.WORLD,
         attempt,
     )
     previous_hook = sys.excepthook
@@ -416,7 +449,7 @@ def shutdown() -> None:
         return
     _STATE = None
     state.communicator.close()
-    if state.owns_group and dist.is_initialized():
+    if state.owns_group and _group_alive(state):  # not a group made after the user destroyed it
         dist.destroy_process_group()
 
 
@@ -714,7 +747,7 @@ def _collective(
     ``tensor`` travelled along, issues ``issues`` (async process-group calls on ``tensor``'s
     device) on the communicator, all before any is waited for, and waits for them. Returns every
     process's ``payload``, and every process's ``tensor`` if it travelled along."""
-    state = _state()
+    state = _live_state()
     described = "" if tensor is None else _describe_tensor(tensor)
     entry = "\x1f".join((kind, name, detail, described, str(state.calls)))
     what = f"{name} ({detail})"
@@ -852,7 +885,7 @@ class _AllGather(torch.autograd.Function):
 def replica_counts(local: int) -> list[int]:
     """Every process's number of local replicas for a new pmapped call (one small all_gather,
     which also checks that every process starts a pmapped call here)."""
-    state = _state()
+    state = _live_state()
     state.calls += 1
     counts, _ = _collective(
         "the start of a pmapped call", "an exchange of replica counts", None, [], local, kind="call"

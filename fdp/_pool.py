@@ -582,7 +582,7 @@ def _call_group(n: int, devices: tuple[torch.device, ...], axis_name: Hashable |
     """The replicas' shared state; with an axis name under fdp.distributed, placed among every
     process's replicas."""
     group = _replica.CallGroup(n, devices)
-    if axis_name is not None and _distributed.is_initialized():
+    if axis_name is not None and _distributed.joined():
         # The axis spans every process: one exchange of replica counts places this one's.
         group.offset, group.global_size, group.counts = _distributed.global_layout(n)
         group.distributed = True

@@ -280,3 +280,20 @@ def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match=r"MASTER_PORT.*'29x'"):
         fdp.distributed.initialize(backend="gloo")
     assert not fdp.distributed.is_initialized()
+
+
+def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
+    psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+    fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        assert psum(torch.ones(2)).tolist() == [1.0, 1.0]
+        dist.destroy_process_group()
+        assert not fdp.distributed.is_initialized()
+        with pytest.raises(RuntimeError, match=r"no longer exists.*destroy_process_group"):
+            psum(torch.ones(2))
+        fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+        assert fdp.distributed.is_initialized() and psum(torch.ones(2)).tolist() == [1.0, 1.0]
+    finally:
+        fdp.distributed.shutdown()
+    assert not dist.is_initialized()
