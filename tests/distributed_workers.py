@@ -69,6 +69,11 @@ def collectives(rank: int, world: int, folder: str) -> None:
         # torch.func.grad inside the replicas: psum's transpose spans the processes too.
         inner = f(lambda x: torch.func.grad(lambda x: fdp.psum(x.square().sum(), "i"))(x))(shard)
         out["inner_grad"] = inner.flatten().tolist()
+        # A call inside rng_scope: replica r of the scope's k-th call draws in
+        # fold_in(fold_in(seed, k), r), r its global index, so no two of the 4 replicas alike.
+        with fdp.rng_scope(11):
+            f(lambda x: x)(shard)  # call 0
+            out["draws"] = f(lambda x: torch.rand(1, 3))(shard).tolist()  # call 1
         report(folder, rank, out)
     finally:
         fdp.distributed.shutdown()

@@ -68,6 +68,11 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
     assert rank1["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(5, 9)))
     assert rank0["ppermute"] == [[7.0], [1.0]] and rank1["ppermute"] == [[3.0], [5.0]]
     assert rank0["inner_grad"] == [4 * 2 * v for v in (1.0, 2, 3, 4)]  # psum's transpose: 4 replicas
+    expected = []
+    for r in range(4):
+        with fdp.rng_scope(fdp.fold_in(fdp.fold_in(11, 1), r)):
+            expected.append(torch.rand(1, 3)[0].tolist())
+    torch.testing.assert_close(torch.tensor(rank0["draws"] + rank1["draws"]), torch.tensor(expected))
 
 
 def test_numerically_identical_to_ddp(tmp_path: Path) -> None:
