@@ -77,17 +77,23 @@ def problem() -> tuple[nn.Module, Callable[[dict[str, torch.Tensor]], torch.Tens
     return model, loss
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["update_apply_updates", "apply_gradients"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_torch_optim_over_100_steps(name: str, one_pass: bool) -> None:
+def train_both(
+    name: str,
+    initial: dict[str, torch.Tensor],
+    loss: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    one_pass: bool,
+    steps: int = 100,
+) -> tuple[dict[str, torch.Tensor], Any, dict[str, torch.Tensor], Any]:
+    """``steps`` steps of config ``name`` from ``initial``: fdp's (``apply_gradients`` with
+    ``one_pass``, else ``update`` and ``apply_updates``) and torch.optim's on copies.
+    Returns fdp's params and state, torch's params and optimizer."""
     make_torch, make_ours = CONFIGS[name]
-    model, loss = problem()
-    reference = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    reference = {k: v.clone().requires_grad_() for k, v in initial.items()}
     torch_opt = make_torch(list(reference.values()))
     opt = make_ours()
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: v.clone() for k, v in initial.items()}
     state = opt.init(params)
-    for _ in range(100):
+    for _ in range(steps):
         torch_opt.zero_grad()
         loss(reference).backward()
         torch_opt.step()
@@ -97,6 +103,15 @@ def test_matches_torch_optim_over_100_steps(name: str, one_pass: bool) -> None:
         else:
             updates, state = opt.update(grads, state, params)
             params = optim.apply_updates(params, updates)
+    return params, state, reference, torch_opt
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update_apply_updates", "apply_gradients"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_torch_optim_over_100_steps(name: str, one_pass: bool) -> None:
+    model, loss = problem()
+    initial = {k: v.detach() for k, v in model.named_parameters()}
+    params, _, reference, _ = train_both(name, initial, loss, one_pass)
     for k in params:
         if one_pass and name != "clip_then_adamw":
             # The new parameters as computed, with torch.optim's kernels: the same bits.
@@ -127,23 +142,8 @@ def complex_problem() -> tuple[dict[str, torch.Tensor], Callable[[dict[str, torc
 def test_matches_torch_optim_on_complex_parameters(name: str, one_pass: bool) -> None:
     # torch.optim.Adam/AdamW step a complex parameter on view_as_real of it, its gradient and
     # its moments (each part its own second moment); SGD steps it as it is.
-    make_torch, make_ours = CONFIGS[name]
     initial, loss = complex_problem()
-    reference = {k: v.clone().requires_grad_() for k, v in initial.items()}
-    torch_opt = make_torch(list(reference.values()))
-    opt = make_ours()
-    params = {k: v.clone() for k, v in initial.items()}
-    state = opt.init(params)
-    for _ in range(100):
-        torch_opt.zero_grad()
-        loss(reference).backward()
-        torch_opt.step()
-        grads = torch.func.grad(loss)(params)
-        if one_pass:
-            params, state = opt.apply_gradients(grads, state, params)
-        else:
-            updates, state = opt.update(grads, state, params)
-            params = optim.apply_updates(params, updates)
+    params, state, reference, torch_opt = train_both(name, initial, loss, one_pass)
     inner = getattr(torch_opt, "inner", torch_opt)
     ours = state if hasattr(state, "step") else state[-1]  # a chain's: its last
     for k in params:

@@ -58,38 +58,30 @@ def test_state_alone_runs_one_replica_per_copy() -> None:
     assert out.tolist() == [2.0, 3.0, 4.0]
 
 
-def test_state_needs_every_replica_to_run() -> None:
+@pytest.mark.parametrize(
+    ("split", "rows", "says", "never"),
+    [
+        # chunk: 10 rows over 8 devices is 5 replicas, though there is a row for every device
+        ("chunk", 10, ["split='chunk'", "Use split='balanced'"], None),
+        # balanced runs every replica only when there are at least as many rows as devices; the
+        # message must not send the caller to split='balanced', which is already the rule used.
+        ("balanced", 5, ["with split='balanced' a batch of 5 rows"], "split='chunk'"),
+    ],
+)
+def test_state_needs_every_replica_to_run(split: str, rows: int, says: list[str], never: str | None) -> None:
     state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(8))
-    f = fdp.pmap(lambda s, x: x, devices=cpus(8))
-    # chunk: 10 rows over 8 devices is 5 replicas, though there is a row for every device
+    f = fdp.pmap(lambda s, x: x, devices=cpus(8), split=split)
     with pytest.raises(ValueError) as info:
-        f(state, torch.zeros(10))
+        f(state, torch.zeros(rows))
     message = str(info.value)
     assert (
         message.startswith("fdp.pmap(")
         and "<lambda>): args[0]['w'] holds 8 values, one per replica" in message
     )
     assert "this call runs 5 replicas" in message
-    assert "split='chunk'" in message and "Use split='balanced'" in message
+    assert all(s in message for s in says) and (never is None or never not in message)
     assert "at least one row per device (8 rows here)" in message and "drop the last" in message
     fdp.pmap(lambda s, x: x, devices=cpus(8), split="balanced")(state, torch.zeros(10))
-
-
-def test_state_needs_a_row_per_device_under_balanced() -> None:
-    # balanced runs every replica only when there are at least as many rows as devices; the
-    # message must not send the caller to split='balanced', which is already the rule used.
-    state = fdp.device_put_replicated({"w": torch.ones(2)}, cpus(8))
-    f = fdp.pmap(lambda s, x: x, devices=cpus(8), split="balanced")
-    with pytest.raises(ValueError) as info:
-        f(state, torch.zeros(5))
-    message = str(info.value)
-    assert (
-        message.startswith("fdp.pmap(")
-        and "<lambda>): args[0]['w'] holds 8 values, one per replica" in message
-    )
-    assert "this call runs 5 replicas" in message
-    assert "with split='balanced' a batch of 5 rows" in message and "split='chunk'" not in message
-    assert "at least one row per device (8 rows here)" in message and "drop the last" in message
     f(state, torch.zeros(8))
 
 
