@@ -200,13 +200,16 @@ class _Packed:
         return _tree.unflatten(self.treespec, out)
 
 
-def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
+def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -> None:
+    """Refuses replicas that passed different trees, shapes or dtypes. ``offset`` is this
+    process's first global replica index (fdp.distributed): messages name replicas as
+    ``axis_index`` does."""
     first = packs[0]
     for r, packed in enumerate(packs[1:], start=1):
         if not _tree.same_structure(packed.treespec, first.treespec):
             raise ValueError(
-                f"{caller}: the replicas passed trees of different structure: replica 0 passed "
-                f"{first.treespec} but replica {r} passed {packed.treespec}"
+                f"{caller}: the replicas passed trees of different structure: replica {offset} "
+                f"passed {first.treespec} but replica {offset + r} passed {packed.treespec}"
             )
         if packed.metadata() == first.metadata():
             continue
@@ -215,7 +218,7 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str) -> None:
             if (a.dtype, a.shape) != (b.dtype, b.shape):
                 raise ValueError(
                     f"{caller}: the replicas passed different shapes or dtypes at {paths[k]}: "
-                    f"replica 0 passed {_tree.describe(a)} but replica {r} passed "
+                    f"replica {offset} passed {_tree.describe(a)} but replica {offset + r} passed "
                     f"{_tree.describe(b)}. With uneven shards (split='chunk'), reduce per-replica "
                     "values to equal shapes first (e.g. a sum, with fdp.pmean's weight= for means)."
                 )
@@ -534,12 +537,13 @@ def _exchange(
         payloads: list[tuple[Any, Sequence[torch.Tensor], Any, _streams.Marks | None]],
     ) -> list[tuple[list[Any], _streams.Marks | None]]:
         if payloads[0][0] is not None:
-            _check_same_layout([p[0] for p in payloads], op.name)
+            _check_same_layout([p[0] for p in payloads], op.name, context.group.offset)
         shapes = [tuple(tuple(b.shape) for b in p[1]) for p in payloads]
         if any(s != shapes[0] for s in shapes):
             # Under torch.func.vmap the buffers carry the vmapped rows: uneven shards show here.
             raise ValueError(
-                f"{op.name}: the replicas' values have different shapes ({shapes[0]} on replica 0, "
+                f"{op.name}: the replicas' values have different shapes ({shapes[0]} on replica "
+                f"{context.group.offset}, "
                 f"{next(s for s in shapes if s != shapes[0])} on another); under torch.func.vmap "
                 "every replica must map over the same number of rows"
             )

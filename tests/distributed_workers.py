@@ -74,6 +74,11 @@ def collectives(rank: int, world: int, folder: str) -> None:
         with fdp.rng_scope(11):
             f(lambda x: x)(shard)  # call 0
             out["draws"] = f(lambda x: torch.rand(1, 3))(shard).tolist()  # call 1
+        # Last (every rank fails it alike): a local mismatch names the replicas as axis_index does.
+        try:
+            f(lambda x: fdp.psum(torch.ones(1 + fdp.axis_index("i") % 2), "i"))(shard)
+        except ValueError as error:
+            out["mismatch"] = str(error)
         report(folder, rank, out)
     finally:
         fdp.distributed.shutdown()

@@ -73,6 +73,8 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
         with fdp.rng_scope(fdp.fold_in(fdp.fold_in(11, 1), r)):
             expected.append(torch.rand(1, 3)[0].tolist())
     torch.testing.assert_close(torch.tensor(rank0["draws"] + rank1["draws"]), torch.tensor(expected))
+    for r, (first, second) in zip(results, [(0, 1), (2, 3)]):
+        assert f"replica {first} passed float32[1] but replica {second} passed float32[2]" in r["mismatch"]
 
 
 def test_numerically_identical_to_ddp(tmp_path: Path) -> None:
