@@ -170,11 +170,31 @@ class EmptyState(NamedTuple):
 
 
 class SgdState(NamedTuple):
+    """The state of :func:`sgd`: the steps taken, and the momentum buffers (a tree like the
+    parameters, or ``None`` without momentum), as ``torch.optim.SGD`` keeps them.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> optim.sgd(0.1, momentum=0.9).init({"w": torch.ones(2)})
+        SgdState(step=0, momentum={'w': tensor([0., 0.])})
+    """
+
     step: int
-    momentum: Tree  # the momentum buffers (a tree like params), or None without momentum
+    momentum: Tree
 
 
 class AdamState(NamedTuple):
+    """The state of :func:`adam` and :func:`adamw`: the steps taken, and the first and second
+    moment estimates (trees like the parameters), as ``torch.optim.Adam`` keeps them.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> optim.adam().init({"w": torch.ones(2)}).exp_avg
+        {'w': tensor([0., 0.])}
+    """
+
     step: int
     exp_avg: Tree
     exp_avg_sq: Tree
