@@ -39,7 +39,11 @@ def _equal(a: Any, b: Any) -> bool:
         try:
             return bool(numpy.array_equal(a, b, equal_nan=True))
         except TypeError:  # a dtype without NaN (strings, objects)
+            pass
+        try:
             return bool(numpy.array_equal(a, b))
+        except Exception:  # noqa: BLE001 - e.g. object arrays of arrays: not provably equal
+            return False
     try:
         if bool(a == b):
             return True

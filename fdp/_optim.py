@@ -398,8 +398,10 @@ _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
 
 def _as_real(leaves: Leaves) -> Leaves:
-    """The complex tensors of ``leaves`` as real ones with a last axis of 2 (views, no copies)."""
-    return [torch.view_as_real(t) if t.is_complex() else t for t in leaves]
+    """The complex tensors of ``leaves`` as real ones with a last axis of 2 (views, no copies,
+    but for a gradient with torch's lazy conjugate bit, as autograd returns for a loss of
+    ``z.conj()``: resolved first, since view_as_real refuses it)."""
+    return [torch.view_as_real(t.resolve_conj()) if t.is_complex() else t for t in leaves]
 
 
 def _as_complex(leaves: Leaves, like: Leaves) -> Leaves:

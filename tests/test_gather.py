@@ -101,6 +101,10 @@ def test_equal_numpy_outputs_are_returned_once() -> None:
     ]:
         with pytest.raises(ValueError, match="different non-tensor values"):
             fdp.gather([(torch.ones(1), first), (torch.ones(1), second)], "cpu")
+    # Object arrays of arrays have no elementwise truth value either: refused with fdp's message.
+    ragged = np.array([np.arange(2), np.arange(3)], dtype=object)
+    with pytest.raises(ValueError, match=r"different non-tensor values at output\[1\]"):
+        fdp.gather([(torch.ones(1), ragged), (torch.ones(1), ragged.copy())], "cpu")
 
 
 # --- the all-tensor CPU path gives what the general path gives ----------------------------------

@@ -161,6 +161,19 @@ def test_matches_torch_optim_on_complex_parameters(name: str, one_pass: bool) ->
                 torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
 
 
+def test_adam_takes_complex_gradients_with_the_conjugate_bit() -> None:
+    # autograd returns a lazily conjugated gradient for a loss of z.conj(); view_as_real refuses
+    # those, so the step resolves them first (torch.optim.Adam fails on such a .grad in 2.13).
+    params = {"w": torch.randn(4, dtype=torch.complex64)}
+    c = torch.randn(4, dtype=torch.complex64)
+    grads = torch.func.grad(lambda p: (p["w"].conj() * c).real.sum())(params)
+    assert grads["w"].is_conj()
+    opt = optim.adam(1e-2)
+    new, _ = opt.apply_gradients(grads, opt.init(params), params)
+    resolved, _ = opt.apply_gradients({"w": grads["w"].resolve_conj()}, opt.init(params), params)
+    assert torch.equal(new["w"], resolved["w"])
+
+
 @pytest.mark.parametrize(
     "make",
     [
