@@ -467,24 +467,45 @@ def _complete_state(module: nn.Module, params: Any) -> Any:
 
 
 def _counter_shared_with_a_shard(scattered: _scatter.Scattered, copies: list[torch.Tensor]) -> bool:
-    """Whether a replicated input's copies share their version counter with a mapped input's
-    shards: views of one tensor share its counter, so ``f(data[:, :2], data[0, 2:])`` with the
-    second replicated bumps it when a replica updates its own shard of the first in place (which
-    is allowed). The change cannot be told from one to the replicated input, so it is not
-    blamed on it. (Only looked at once a change is seen.)"""
+    """Whether a replicated input's change of version may be a mapped input's shard's: views
+    of one tensor share its counter, so ``f(data[:, :2], data[0, 2:])`` with the second
+    replicated bumps it when a replica updates its own shard of the first in place (which is
+    allowed). Only where the replicated input shares no byte with those shards: where it does
+    (``f(x, x)``), a shard's update changes it under the replicas too. (A change of a
+    byte-disjoint replicated view itself then goes unseen: the counter cannot tell them apart.
+    Only looked at once a change is seen.)"""
     shared = {k for k, _ in scattered.shared}
-    shard_roots = {
-        id(_root(t))
-        for row in scattered.leaves
-        for j, t in enumerate(row)
-        if j not in shared and isinstance(t, torch.Tensor)
-    }
-    return any(id(_root(t)) in shard_roots for t in copies)
+    shards: dict[int, list[torch.Tensor]] = {}
+    for row in scattered.leaves:
+        for j, t in enumerate(row):
+            if j not in shared and isinstance(t, torch.Tensor):
+                shards.setdefault(id(_root(t)), []).append(t)
+    for t in copies:
+        same = shards.get(id(_root(t)))
+        if same is not None and not _shares_bytes(t, same):
+            return True
+    return False
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose version counter ``t`` uses: its base if it is a view."""
     return t if t._base is None else t._base
+
+
+def _shares_bytes(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
+    """Whether ``t`` shares a byte of memory with any of ``others`` (views of its storage),
+    exactly, strides and all: a mark per byte of the storage (a rare path, see above)."""
+    marks = torch.zeros(t.untyped_storage().nbytes(), dtype=torch.bool, device=t.device)
+
+    def covered(v: torch.Tensor) -> torch.Tensor:
+        size = v.element_size()
+        return marks.as_strided(
+            (*v.shape, size), (*(s * size for s in v.stride()), 1), v.storage_offset() * size
+        )
+
+    for other in others:
+        covered(other).fill_(True)
+    return bool(covered(t).any())
 
 
 def _version(t: torch.Tensor) -> int:

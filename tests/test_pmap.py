@@ -673,11 +673,21 @@ def test_in_place_update_of_a_shard_is_not_blamed_on_a_replicated_view_of_the_sa
     out = fdp.pmap(g, in_axes=(0, None), devices=cpus(2))(data[:, :2], data[0, 2:])
     torch.testing.assert_close(out, torch.full((4,), 5.0))
     torch.testing.assert_close(data[:, :2], torch.full((4, 2), 2.0))
-    # A replicated view of another tensor than the shards' is still checked.
+    # A replicated view of another tensor than the shards' is still checked, and so is one that
+    # shares memory with the shards (a shard's update changes it under the replicas too).
     other = torch.zeros(2, 3)
     f = fdp.pmap(lambda x, b: b.add_(1) * x.sum(), in_axes=(0, None), out_axes=None, devices=cpus(2))
     with pytest.raises(RuntimeError, match=r"modified args\[1\] in place.*replicated"):
         f(data[:, :2], other[0])
+
+    def normalise(q, k):
+        k.div_(k.norm(dim=1, keepdim=True))
+        return q.sum(1) + k.sum()
+
+    x = torch.full((4, 2), 3.0)
+    for replicated in (x, x[:, 1:]):
+        with pytest.raises(RuntimeError, match=r"modified args\[1\] in place.*replicated"):
+            fdp.pmap(normalise, in_axes=(0, None), devices=cpus(2))(x, replicated)
 
 
 def test_in_place_update_of_a_mapped_input_writes_through(devices: list[str]) -> None:
