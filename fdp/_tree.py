@@ -105,29 +105,35 @@ def _register_dataclass(cls: type) -> None:
     fields = [f for f in dataclasses.fields(cls) if f.init]
     children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
     metadata = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
-    # Fields that cls(**fields) sets itself, to their defaults or in __post_init__.
+    # Fields that cls(**fields) sets itself, to their defaults or in __post_init__, and those of
+    # them it was seen to set to a tensor (a class's __post_init__ does what it does for every
+    # instance: one look per field is enough).
     late = tuple(f.name for f in dataclasses.fields(cls) if not f.init)
+    recomputed: set[str] = set()
 
-    def flatten_fields(obj: Any) -> tuple[tuple[Any, ...], Any, tuple[str, ...]]:
+    def flatten_fields(obj: Any) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...], tuple[str, ...]]:
+        values = tuple(getattr(obj, name) for name in children)
         meta = tuple((name, getattr(obj, name)) for name in metadata)
         if late:
-            # The late fields that hold a tensor: the rebuilt object must hold one there too.
-            held = tuple(name for name in late if isinstance(getattr(obj, name, None), torch.Tensor))
-            return tuple(getattr(obj, name) for name in children), (meta, held), children
-        return tuple(getattr(obj, name) for name in children), meta, children
+            check_late_fields(obj, values, meta)
+        return values, meta, children
 
-    def rebuild(meta: Any, values: tuple[Any, ...]) -> Any:
-        held: tuple[str, ...] = ()
-        if late:
-            meta, held = meta
-        kwargs = dict(zip(children, values))
-        kwargs.update(meta)
-        obj = cls(**kwargs)
-        for name in held:
-            value = getattr(obj, name, None)
+    def check_late_fields(obj: Any, values: tuple[Any, ...], meta: tuple[tuple[str, Any], ...]) -> None:
+        """Refuses an instance with a tensor in a late field that the rebuild would not set
+        again (one set after construction, say): each replica would silently get the field's
+        default instead. Checked when flattening, not in the structure, which a prefix of axes
+        (``in_axes=Batch(x=0)``, whose late fields hold no tensor) must match."""
+        unknown = [
+            name
+            for name in late
+            if name not in recomputed and isinstance(getattr(obj, name, None), torch.Tensor)
+        ]
+        if not unknown:
+            return
+        probe = rebuild(meta, values)
+        for name in unknown:
+            value = getattr(probe, name, None)
             if not isinstance(value, torch.Tensor):
-                # Set after construction, say, and not recomputed: each replica would silently
-                # get the field's default instead.
                 raise ValueError(
                     f"fdp cannot rebuild the dataclass {cls.__qualname__}: its field {name!r} "
                     f"(init=False) holds a tensor, but {cls.__qualname__}(**init fields), which "
@@ -136,7 +142,12 @@ def _register_dataclass(cls: type) -> None:
                     f"field, or register {cls.__qualname__} with optree.register_pytree_node(..., "
                     f"namespace={NAMESPACE!r})"
                 )
-        return obj
+            recomputed.add(name)
+
+    def rebuild(meta: tuple[tuple[str, Any], ...], values: tuple[Any, ...]) -> Any:
+        kwargs = dict(zip(children, values))
+        kwargs.update(meta)
+        return cls(**kwargs)
 
     optree.register_pytree_node(
         cls,  # type: ignore[arg-type]

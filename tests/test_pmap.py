@@ -349,9 +349,29 @@ def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -
             r"tensor, but .*sets it to None",
         ):
             f(batch, torch.ones(4))
-    # One replica gets the object itself, as a direct call would.
-    out = fdp.pmap(lambda b: b.x * b.weight, devices=cpus(1))(batch)
-    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # Refused on one replica too (which gets the object itself): alike on any device count.
+    with pytest.raises(ValueError, match="cannot rebuild the dataclass"):
+        fdp.pmap(lambda b: b.x * b.weight, devices=cpus(1))(batch)
+
+
+def test_a_dataclass_with_a_computed_non_init_field_serves_as_an_axes_prefix() -> None:
+    # The prefix's late field holds no tensor (0 != 0 is False) and the argument's does: the
+    # structures must still match.
+    @dataclasses.dataclass
+    class Batch:
+        tokens: torch.Tensor
+        labels: torch.Tensor
+        mask: torch.Tensor = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.mask = self.tokens != 0
+
+    def loss(b: Batch, scale: torch.Tensor) -> torch.Tensor:
+        return (b.mask.sum(1) * b.labels * scale)[:, None]
+
+    batch = Batch(torch.tensor([[0, 1, 2], [3, 0, 0], [1, 1, 1], [0, 0, 2]]), torch.arange(4.0))
+    f = fdp.pmap(loss, in_axes=(Batch(tokens=0, labels=0), None), devices=cpus(2))
+    torch.testing.assert_close(f(batch, torch.tensor(0.5)), loss(batch, torch.tensor(0.5)))
 
 
 @pytest.mark.parametrize("n", [1, 2])
