@@ -114,7 +114,14 @@ _FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[Tree, Any, Tree]
 def _fused(update: Callable[..., Any]) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]] | None:
     """The one-pass step registered for ``update``, if any. An ``update`` may be any callable,
     including one that cannot be hashed or weakly referenced (a callable dataclass, a slotted
-    object): it has none."""
+    object): it has none.
+
+    None under ``torch.compile``: dynamo does not guard this lookup on its key, so a compiled
+    function taking the optimizer as an argument would run the first optimizer's step for every
+    later one (adam's for an adamw, silently). ``update`` and :func:`apply_updates` are traced
+    with guards on ``update``'s closure, and inductor fuses their passes."""
+    if torch.compiler.is_compiling():
+        return None
     try:
         return _FUSED.get(update)
     except TypeError:

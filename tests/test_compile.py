@@ -369,3 +369,16 @@ def test_a_pmapped_call_under_fullgraph_says_why_it_breaks_the_graph() -> None:
     mapped = fdp.pmap(torch.sin, devices=cpus(2))
     with pytest.raises(torch._dynamo.exc.Unsupported, match="fdp runs Pmapped.__call__ eagerly"):
         torch.compile(lambda x: mapped(x) + 1, fullgraph=True, backend="eager")(torch.ones(4))
+
+
+def test_a_compiled_step_taking_the_optimizer_as_an_argument_runs_each_optimizer() -> None:
+    # Dynamo does not guard a lookup in fdp.optim's registry of one-pass steps on its key:
+    # compiled, apply_gradients must not keep the first optimizer's step for the next one.
+    from fdp import optim
+
+    params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    step = torch.compile(lambda opt, g, s, p: opt.apply_gradients(g, s, p), backend="eager")
+    for opt in (optim.adam(1e-2), optim.adamw(1e-2, weight_decay=0.5), optim.sgd(0.1)):
+        expected, _ = opt.apply_gradients(grads, opt.init(params), params)
+        got, _ = step(opt, grads, opt.init(params), params)
+        torch.testing.assert_close(got["w"], expected["w"])
