@@ -264,7 +264,8 @@ def rng_checkpoint_context() -> tuple[
 
     The checkpointed region is recomputed during backward, outside the scope; this replays it
     in a scope whose generators are where they were when the region first ran, so it draws the
-    same dropout masks. Use with ``use_reentrant=False``.
+    same dropout masks. Use with ``use_reentrant=False``, on a region inside the mapped function
+    (or outside any): around a whole pmapped call the masks are not reliably replayed yet.
 
     Examples:
         >>> import torch, fdp
@@ -281,7 +282,9 @@ def rng_checkpoint_context() -> tuple[
         return contextlib.nullcontext(), contextlib.nullcontext()
     mode = _ACTIVE.modes[-1]
     states = {device: g.get_state() for device, g in mode.generators.items()}
-    return contextlib.nullcontext(), _entered(_RngMode(mode.seed, states))
+    replay = _RngMode(mode.seed, states)
+    replay.calls = mode.calls  # a pmapped call in the region gets its seed again too
+    return contextlib.nullcontext(), _entered(replay)
 
 
 def replica_scope(seed: int | None, index: int) -> contextlib.AbstractContextManager[None]:
