@@ -26,7 +26,6 @@ as much as its forward pass on a small batch.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -103,29 +102,23 @@ class GradientTransformation(NamedTuple):
         return apply_updates(params, updates), new_state
 
 
-# update function -> its one-pass apply_gradients: kept beside the pair, not in it, so that a
-# GradientTransformation stays a pair (code unpacks it as ``init, update = opt``), and found
-# again when a pair is rebuilt from the same functions.
-_FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[Tree, Any, Tree], tuple[Tree, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
+# The one-pass apply_gradients of an update function is an attribute of the function: kept beside
+# the pair, not in it, so that a GradientTransformation stays a pair (code unpacks it as
+# ``init, update = opt``), and found again when a pair is rebuilt from the same functions. An
+# attribute rather than a registry keyed by the function: under torch.compile dynamo guards an
+# attribute read on its source (the optimizer passed in), where it took a registry lookup for a
+# constant and ran the first optimizer's step for every later one (adam's for an adamw).
+_ONE_PASS = "_fdp_one_pass"
 
 
 def _fused(update: Callable[..., Any]) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]] | None:
-    """The one-pass step registered for ``update``, if any. An ``update`` may be any callable,
-    including one that cannot be hashed or weakly referenced (a callable dataclass, a slotted
-    object): it has none.
+    """The one-pass step attached to ``update``, if any. An ``update`` may be any callable,
+    including one that takes no attributes (a slotted object): it has none."""
+    return getattr(update, _ONE_PASS, None)
 
-    None under ``torch.compile``: dynamo does not guard this lookup on its key, so a compiled
-    function taking the optimizer as an argument would run the first optimizer's step for every
-    later one (adam's for an adamw, silently). ``update`` and :func:`apply_updates` are traced
-    with guards on ``update``'s closure, and inductor fuses their passes."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return _FUSED.get(update)
-    except TypeError:
-        return None
+
+def _attach(update: Callable[..., Any], apply: Callable[[Tree, Any, Tree], tuple[Tree, Any]]) -> None:
+    setattr(update, _ONE_PASS, apply)
 
 
 # step(grads, params, spec, state, buffers) -> (new parameters, new state), on leaf lists; spec
@@ -168,7 +161,7 @@ def _optimizer(
         # The params' structure, as apply_updates gives: dicts compare equal in any key order.
         return _tree.unflatten(params_spec, new), new_state
 
-    _FUSED[update] = apply
+    _attach(update, apply)
     return GradientTransformation(init, update)
 
 
@@ -587,7 +580,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_params, s = fused_last(grads, state[-1], params)
             return new_params, (*new_states, s)
 
-        _FUSED[update] = apply
+        _attach(update, apply)
     return GradientTransformation(init, update)
 
 
