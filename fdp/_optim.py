@@ -394,9 +394,6 @@ def _difference(new: Leaves, old: Leaves) -> Leaves:
     return torch._foreach_sub(new, old) if new else []
 
 
-_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
-
-
 def _as_real(leaves: Leaves) -> Leaves:
     """The complex tensors of ``leaves`` as real ones with a last axis of 2 (views, no copies,
     but for a gradient with torch's lazy conjugate bit, as autograd returns for a loss of
@@ -432,7 +429,7 @@ def _adam(
         # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
         start = torch._foreach_mul(p, 1 - lr * weight_decay) if weight_decay and decoupled else p
         exp_avg, exp_avg_sq = state_leaves
-        complex_params = not _COMPLEX.isdisjoint([t.dtype for t in p])
+        complex_params = any(t.dtype.is_complex for t in p)
         if complex_params:
             # torch.optim steps a complex parameter as the pairs of reals it holds (the
             # view_as_real of gradient, parameter and moments): each part gets its own second
