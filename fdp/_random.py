@@ -132,10 +132,12 @@ _RANDOM_OPS_WITHOUT_GENERATOR = {
 
 
 class _RngMode(TorchDispatchMode):
-    def __init__(self, seed: int, states: dict[torch.device, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, seed: int, states: dict[torch.device, torch.Tensor] | None = None, calls: int = 0
+    ) -> None:
         super().__init__()
         self.seed = seed
-        self.calls = 0  # pmapped calls made in this scope so far (see call_seed)
+        self.calls = calls  # pmapped calls made in this scope so far (see call_seed)
         self.generators: dict[torch.device, torch.Generator] = {}
         for device, state in (states or {}).items():
             self.generator(device).set_state(state)
@@ -282,9 +284,8 @@ def rng_checkpoint_context() -> tuple[
         return contextlib.nullcontext(), contextlib.nullcontext()
     mode = _ACTIVE.modes[-1]
     states = {device: g.get_state() for device, g in mode.generators.items()}
-    replay = _RngMode(mode.seed, states)
-    replay.calls = mode.calls  # a pmapped call in the region gets its seed again too
-    return contextlib.nullcontext(), _entered(replay)
+    # The call count too: a pmapped call in the region gets its seed again.
+    return contextlib.nullcontext(), _entered(_RngMode(mode.seed, states, mode.calls))
 
 
 def replica_scope(seed: int | None, index: int) -> contextlib.AbstractContextManager[None]:
