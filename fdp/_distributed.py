@@ -821,7 +821,15 @@ def _reduce(tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
         lambda bucket=bucket: dist.all_reduce(bucket, op=reduce_op, async_op=True)
         for bucket in _buckets(result.view(-1))
     ]
-    _, carried = _collective(name, f"an all_reduce ({op})", result, issues)
+    # Whether this process's value holds a NaN rides in the check's exchange: gloo's (and
+    # NCCL's) MAX and MIN keep whichever operand comes first where one is NaN, so the result
+    # would hang on rank order, where torch.maximum, the local replicas' amax and the small
+    # tensors below all give NaN.
+    nan = op != "sum" and result.is_floating_point() and bool(result.isnan().any())
+    flags, carried = _collective(name, f"an all_reduce ({op})", result, issues, payload=int(nan))
+    if carried is None and any(flags):
+        mask = _reduce(tensor.detach().isnan().to(torch.uint8), "max", name)  # (no NaN in a mask)
+        result.masked_fill_(mask.bool(), float("nan"))
     if carried is not None:
         # In rank order, one elementwise operation at a time: the same bits on every rank.
         result = carried[0].clone()

@@ -351,6 +351,26 @@ def tied_extremes(rank: int, world: int, folder: str) -> None:
         fdp.distributed.shutdown()
 
 
+def nan_extremes(rank: int, world: int, folder: str) -> None:
+    """pmax/pmin where one element is NaN on one rank only, small (travels with the check) and
+    past 8 KiB (a process-group all_reduce): NaN wins in both, as in one process."""
+    start(rank, world, folder)
+    try:
+        result = {}
+        for size in (4, 4000):
+            for name, collective in (("pmax", fdp.pmax), ("pmin", fdp.pmin)):
+                x = torch.ones(2, size) * (rank + 1)
+                if rank == 1:
+                    x[0, 1] = float("nan")  # replica 0 of rank 1
+                if rank == 0:
+                    x[1, 2] = float("nan")  # replica 1 of rank 0
+                out = fdp.pmap(lambda x, c=collective: c(x, "i"), axis_name="i", devices=["cpu", "cpu"])(x)
+                result[f"{name}_{size}"] = out[:, :4].tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def chunked_shares(rank: int, world: int, folder: str) -> None:
     """shard_batch with split="chunk": refused where a process's pmapped call would cut its share
     otherwise than one process cuts the whole batch, the rows of one process otherwise."""

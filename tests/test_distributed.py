@@ -244,6 +244,24 @@ def test_pmax_and_pmin_gradients_through_the_call_split_ties_over_every_process(
         assert results[1][name] == pytest.approx([4 / 3, 0.0]), results
 
 
+def test_pmax_and_pmin_propagate_nan_from_any_process_at_every_size(tmp_path: Path) -> None:
+    # As torch.maximum and the replicas of one process do; gloo's own MAX/MIN keep whichever
+    # operand comes first where one is NaN.
+    results, codes = spawn(distributed_workers.nan_extremes, tmp_path)
+    assert codes == [0, 0], results
+    nan = float("nan")
+    for r in results:
+        for size in (4, 4000):
+            assert _same(r[f"pmax_{size}"], [[2.0, nan, nan, 2.0]] * 2), (size, r)
+            assert _same(r[f"pmin_{size}"], [[1.0, nan, nan, 1.0]] * 2), (size, r)
+
+
+def _same(a: list, b: list) -> bool:
+    return torch.equal(torch.tensor(a).isnan(), torch.tensor(b).isnan()) and torch.equal(
+        torch.tensor(a).nan_to_num(), torch.tensor(b).nan_to_num()
+    )
+
+
 def test_shard_batch_refuses_chunks_that_a_process_would_cut_otherwise(tmp_path: Path) -> None:
     results, codes = spawn(distributed_workers.chunked_shares, tmp_path)
     assert codes == [0, 0], results
