@@ -371,10 +371,16 @@ def run_replicas(
         return _run_in_caller(devices, replicas, caller=caller, timing=timing)
     rng_seed = _random.call_seed()  # a call inside fdp.rng_scope: each replica gets its own
     group = _call_group(n, devices, axis_name)
-    if take_turns:
-        group.turnstile = _replica.Turnstile(n)
-        replicas = [functools.partial(_in_turn, group, i, r) for i, r in enumerate(replicas)]
     state = _thread_state.capture()
+    # Under torch.utils.checkpoint the replicas save their tensors through the caller's hooks,
+    # which match a recomputation's tensors to the forward's by order: run at once, replicas
+    # would save in a different order each time, and tensors of equal shapes would be swapped
+    # (silently wrong gradients). In turns, in index order, they save in the same order on
+    # every run, the order the caller running them one after another (above) gives too.
+    ordered = _thread_state.saves_in_order(state)
+    if take_turns or ordered:
+        group.turnstile = _replica.Turnstile(n, ordered=ordered)
+        replicas = [functools.partial(_in_turn, group, i, r) for i, r in enumerate(replicas)]
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     # The caller waits on a latch for the replicas handed to workers, made at the hand-over. No

@@ -266,8 +266,9 @@ def rng_checkpoint_context() -> tuple[
 
     The checkpointed region is recomputed during backward, outside the scope; this replays it
     in a scope whose generators are where they were when the region first ran, so it draws the
-    same dropout masks. Use with ``use_reentrant=False``, on a region inside the mapped function
-    (or outside any): around a whole pmapped call the masks are not reliably replayed yet.
+    same dropout masks. Use with ``use_reentrant=False``, on a region inside the mapped function,
+    outside any, or around a whole pmapped call (whose replicas then run one at a time:
+    docs/concepts.md).
 
     Examples:
         >>> import torch, fdp

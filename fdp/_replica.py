@@ -249,7 +249,7 @@ def _describe(what: Hashable) -> str:
 
 
 class Turnstile:
-    """Lets one replica at a time run between collectives.
+    """Lets one replica at a time run between collectives, in any order or in index order.
 
     For calls in which a compiled function is likely to be compiled (see
     :class:`fdp._compile.Turns`): dynamo checks its cache before it takes its compile lock, so
@@ -258,37 +258,42 @@ class Turnstile:
     the first replica compiles each frame and the others find it compiled. A replica holds its
     turn while it runs its function and gives it up inside every collective, so replicas still
     meet there; a failed call releases everyone.
+
+    ``ordered``: the turns go 0, 1, ..., n - 1, 0, ... (between two collectives, every replica
+    runs its piece in index order), so that everything the replicas do reaches shared state in
+    the same order on every run: :func:`torch.utils.checkpoint` matches the tensors a
+    recomputation saves to the forward's by the order in which they were saved.
     """
 
-    __slots__ = ("_lock", "_held")
+    __slots__ = ("_cond", "_held", "_busy", "_ordered", "_next")
 
-    def __init__(self, size: int) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, size: int, *, ordered: bool = False) -> None:
+        self._cond = threading.Condition(threading.Lock())
         self._held = [False] * size
+        self._busy = False
+        self._ordered = ordered
+        self._next = 0  # whose turn it is (ordered)
 
     def enter(self, index: int, group: CallGroup) -> None:
         """Waits for replica ``index``'s turn; raises :class:`ReplicaAborted` if the call fails."""
-        # Polled: a replica that failed while holding the turn (an interrupt) must not leave the
-        # others waiting forever.
-        while not self._lock.acquire(timeout=0.05):
-            if group.failed is not None:
-                self._aborted(index, group)
-        if group.failed is not None:  # the turn of a replica that failed: nothing more to run
-            self._lock.release()
-            self._aborted(index, group)
-        self._held[index] = True
+        with self._cond:
+            # Polled: a replica that failed while holding the turn (an interrupt) must not leave
+            # the others waiting forever.
+            while (self._busy or (self._ordered and self._next != index)) and group.failed is None:
+                self._cond.wait(0.05)
+            if group.failed is not None:  # nothing more to run in a call that failed
+                raise ReplicaAborted(
+                    f"replica {index} was waiting for its turn when replica {group.failed_index} failed"
+                )
+            self._busy = self._held[index] = True
 
     def leave(self, index: int) -> None:
         """Ends replica ``index``'s turn, if it has one."""
-        if self._held[index]:
-            self._held[index] = False
-            self._lock.release()
-
-    @staticmethod
-    def _aborted(index: int, group: CallGroup) -> None:
-        raise ReplicaAborted(
-            f"replica {index} was waiting for its turn when replica {group.failed_index} failed"
-        )
+        with self._cond:
+            if self._held[index]:
+                self._held[index] = self._busy = False
+                self._next = (index + 1) % len(self._held)
+                self._cond.notify_all()
 
 
 class ReplicaContext:

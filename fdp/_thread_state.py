@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ThreadState", "capture", "applied"]
+__all__ = ["ThreadState", "capture", "applied", "saves_in_order"]
 
 _AUTOCAST_DEVICE_TYPES = tuple(
     t
@@ -63,6 +63,15 @@ def capture() -> ThreadState:
         num_threads=torch.get_num_threads(),
         context=contextvars.copy_context(),
     )
+
+
+def saves_in_order(state: ThreadState) -> bool:
+    """Whether the caller's saved-tensor hooks need the replicas' tensors in the same order on
+    every run: those of ``torch.utils.checkpoint`` (``use_reentrant=False``), whose
+    recomputation hands each saved tensor back by its position among the forward's. Other hooks
+    (``torch.autograd.graph.save_on_cpu``, say) see each tensor on its own."""
+    hooks = state.saved_tensors_hooks
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 class applied:

@@ -493,12 +493,35 @@ def test_a_turn_lost_by_a_failed_replica_aborts_the_waiting_ones() -> None:
     # must not wait for it forever once the call has failed.
     from fdp import _replica
 
-    group = _replica.CallGroup(2, (torch.device("cpu"),) * 2)
-    turnstile = _replica.Turnstile(2)
-    turnstile._lock.acquire()  # taken, and never to be given back
-    group.abort(0, KeyboardInterrupt())
-    with pytest.raises(_replica.ReplicaAborted, match="waiting for its turn when replica 0 failed"):
-        finishes(lambda: turnstile.enter(1, group))
+    for ordered in (False, True):
+        group = _replica.CallGroup(2, (torch.device("cpu"),) * 2)
+        turnstile = _replica.Turnstile(2, ordered=ordered)
+        turnstile.enter(0, group)  # taken, and never to be given back
+        group.abort(0, KeyboardInterrupt())
+        with pytest.raises(_replica.ReplicaAborted, match="waiting for its turn when replica 0 failed"):
+            finishes(lambda turnstile=turnstile, group=group: turnstile.enter(1, group))
+
+
+def test_ordered_turns_go_in_index_order() -> None:
+    from fdp import _replica
+
+    group = _replica.CallGroup(3, (torch.device("cpu"),) * 3)
+    turnstile = _replica.Turnstile(3, ordered=True)
+    order: list[int] = []
+
+    def turns(i: int) -> None:
+        for _ in range(2):  # two pieces each, as around one collective
+            turnstile.enter(i, group)
+            order.append(i)
+            time.sleep(0.002)
+            turnstile.leave(i)
+
+    threads = [threading.Thread(target=turns, args=(i,), daemon=True) for i in (2, 1, 0)]  # started backwards
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert order == [0, 1, 2, 0, 1, 2]
 
 
 def test_a_replica_failing_in_its_turn_is_the_last_to_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -128,6 +128,20 @@ def test_checkpoint_recomputes_the_same_masks() -> None:
     assert torch.equal(plain, recomputed) and torch.equal(x.grad, expected)
 
 
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_checkpoint_around_a_whole_pmapped_call_replays_the_masks(axis_name: str | None) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    f = fdp.pmap(lambda x: F.dropout(x, 0.5) * x, axis_name=axis_name, devices=["cpu", "cpu"])
+    for trial in range(30):
+        x = torch.ones(8, 16, requires_grad=True)
+        with fdp.rng_scope(trial):
+            y = checkpoint(f, x, use_reentrant=False, context_fn=fdp.rng_checkpoint_context)
+        y.sum().backward()
+        # d/dx of dropout(x) * x at x = 1 is 2 * mask / (1 - p) = 2 * y: the forward's masks.
+        assert torch.equal(x.grad, 2 * y.detach()), trial
+
+
 def test_fused_attention_kernels_with_internal_dropout_refuse() -> None:
     q = torch.ones(1, 1, 4, 8)
     with (
