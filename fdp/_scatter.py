@@ -100,7 +100,7 @@ def scatter_leaves(
         raise ValueError(
             f"{caller} found no tensor to map: every tensor argument has axis None (or there is "
             "none), so there is no batch to split over the replicas. Give at least one tensor an "
-            "int axis in in_axes."
+            "int axis in in_axes." + _array_hint(leaves, axes, paths)
         )
     if batch < 0:
         raise ValueError(_inconsistent_sizes_message(leaves, mapped, user_axes, caller, paths()))
@@ -130,6 +130,18 @@ def scatter_leaves(
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)
     return Scattered(rows, run_on, sizes, shared)
+
+
+def _array_hint(leaves: Sequence[Any], axes: Sequence[Any], paths: Callable[[], list[str]]) -> str:
+    """Names the first mapped leaf that is an array but not a tensor (a numpy array, say)."""
+    for k, (leaf, axis) in enumerate(zip(leaves, axes)):
+        if axis is not _axes.BROADCAST and hasattr(leaf, "__array__") and hasattr(leaf, "shape"):
+            kind = f"{type(leaf).__module__.partition('.')[0]}.{type(leaf).__qualname__}"
+            return (
+                f" {paths()[k]} is a {kind}, not a torch.Tensor: fdp splits only tensors and passes "
+                "other leaves whole to every replica. Convert it with torch.as_tensor."
+            )
+    return ""
 
 
 # Leaves that every replica gets as they are, mapped or not (a step count in resident state),

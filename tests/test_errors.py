@@ -61,6 +61,17 @@ def test_nothing_mapped_is_an_error() -> None:
         fdp.pmap(lambda n: n, devices=cpus(2))(5)
 
 
+def test_nothing_mapped_names_an_array_that_is_not_a_tensor() -> None:
+    # A JAX user passes numpy arrays: they are not tensors, so they reach every replica whole and
+    # nothing is mapped. The message names the array and says to convert it.
+    np = pytest.importorskip("numpy")
+    f = fdp.pmap(lambda x, y: x, devices=cpus(2))
+    with pytest.raises(ValueError, match="found no tensor to map") as info:
+        f(np.zeros((4, 3)), {"y": np.zeros(4)})
+    assert "args[0] is a numpy.ndarray, not a torch.Tensor" in str(info.value)
+    assert "torch.as_tensor" in str(info.value)
+
+
 def test_in_axes_not_a_prefix_names_the_key_path() -> None:
     f = fdp.pmap(lambda x, y: x, in_axes=(0, 0, 0), devices=cpus(2))
     with pytest.raises(
