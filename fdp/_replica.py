@@ -159,10 +159,12 @@ class CallGroup:
             if round_ is None:
                 round_ = self._rounds[number] = _Round(self.size, what)
             elif round_.what != what and round_.error is None:
+                first = next(r for r, p in enumerate(round_.payloads) if p is not _PENDING)
                 round_.error = (
                     ValueError,
                     f"the replicas called different collectives at the same point: "
-                    f"{_describe(round_.what)} and {_describe(what)} (replica {index}). Every "
+                    f"{_describe(round_.what)} (replica {first}) and {_describe(what)} "
+                    f"(replica {index}). Every "
                     "replica must call the same collectives, with the same options, in the same "
                     "order (and differentiate through them in the same order).",
                     None,

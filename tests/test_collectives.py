@@ -7,6 +7,7 @@ replicas is a reduction over the rows.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -474,8 +475,11 @@ def test_replicas_calling_different_collectives() -> None:
     def f(x):
         return fdp.psum(x, "i") if fdp.axis_index("i") == 0 else fdp.pmax(x, "i")
 
-    with pytest.raises(ValueError, match="the replicas called different collectives"):
+    with pytest.raises(ValueError, match="the replicas called different collectives") as info:
         finishes(lambda: per_row(f)(rows()))
+    # Both sides of the mismatch are named with a replica that called them, whichever came first.
+    assert "fdp.psum (replica 0)" in str(info.value)
+    assert re.search(r"fdp\.pmax \(replica [1-3]\)", str(info.value)), str(info.value)
 
 
 def test_trees_with_a_tensor_in_a_non_node_field() -> None:
