@@ -358,6 +358,13 @@ class Pmapped(Generic[P, R]):
                     "argument: pmapped_model(params, *args, **kwargs), params as in "
                     "dict(model.named_parameters()) | dict(model.named_buffers())"
                 )
+            if isinstance(args[0], torch.Tensor):
+                raise TypeError(
+                    f"{self._caller} takes the module's parameters and buffers as its first "
+                    f"argument, but got a tensor of type {_tree.describe(args[0])} there: call it "
+                    "as pmapped_model(params, *args, **kwargs), with params as in "
+                    "dict(model.named_parameters()), or pmapped_model({}, x) for the module's own"
+                )
             head, args = (_complete_state(self.fn, args[0]),), args[1:]  # type: ignore[arg-type]
         statics: dict[int, Any] = {}
         if self.static_argnums:

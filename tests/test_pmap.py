@@ -615,6 +615,15 @@ def test_module_without_params_argument_is_a_clear_error() -> None:
         fdp.pmap(TwoLayer(), devices=cpus(2))()
 
 
+def test_module_called_with_the_batch_in_place_of_params_is_a_clear_error() -> None:
+    # An nn.DataParallel habit, pmapped(x): the batch lands in params and nothing is mapped.
+    with pytest.raises(
+        TypeError, match=r"takes the module's parameters and buffers as its first argument"
+    ) as info:
+        fdp.pmap(TwoLayer(), devices=cpus(2))(torch.ones(4, 3))
+    assert "got a tensor" in str(info.value) and "pmapped_model({}, x)" in str(info.value)
+
+
 def test_module_sees_eval_after_first_call() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.9))
     params = dict(model.named_parameters())
