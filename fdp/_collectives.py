@@ -219,9 +219,21 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
                 raise ValueError(
                     f"{caller}: the replicas passed different shapes or dtypes at {paths[k]}: "
                     f"replica {offset} passed {_tree.describe(a)} but replica {offset + r} passed "
-                    f"{_tree.describe(b)}. With uneven shards (split='chunk'), reduce per-replica "
-                    "values to equal shapes first (e.g. a sum, with fdp.pmean's weight= for means)."
+                    f"{_tree.describe(b)}. {_equal_shapes_hint(caller)}"
                 )
+
+
+def _equal_shapes_hint(caller: str) -> str:
+    """What to do about per-replica values of different shapes (uneven shards, mostly)."""
+    if caller in ("fdp.psum", "fdp.pmean", "fdp.pmax", "fdp.pmin"):
+        return (
+            "With uneven shards (split='chunk'), reduce per-replica values to equal shapes "
+            "first (e.g. a sum, with fdp.pmean's weight= for means)."
+        )
+    return (
+        "With uneven shards (split='chunk'), pad per-replica values to one shape first, or give "
+        "every replica as many rows (a batch that divides evenly)."
+    )
 
 
 # --- the operations ----------------------------------------------------------------------------

@@ -687,8 +687,12 @@ def _disagreement(rows: list[bytes]) -> str:
         return (
             f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
             f"pmapped call #{call}): {passed}. Every process must pass the same shapes and dtypes; "
-            "with uneven shares, reduce per-replica values to equal shapes first (e.g. a sum, with "
-            "fdp.pmean's weight= for means)."
+            + (
+                "with uneven shares, reduce per-replica values to equal shapes first (e.g. a sum, "
+                "with fdp.pmean's weight= for means)."
+                if "all_reduce" in detail
+                else "with uneven shares, pad per-replica values to one shape first."
+            )
         )
 
     def called(entry: list[str]) -> str:

@@ -324,16 +324,17 @@ def _resident_message(
         f"give every batch at least one row per device ({d} rows here), e.g. drop the last "
         "partial batch (DataLoader(..., drop_last=True))"
     )
+    rows = f"{batch} row" if batch == 1 else f"{batch} rows"
     if split == "chunk":
         piece = -(-batch // d)
         return (
             f"{head}: with split='chunk' (torch.chunk's rule: pieces of {piece} "
-            f"{'row' if piece == 1 else 'rows'}) a batch of {batch} rows over {d} devices runs "
+            f"{'row' if piece == 1 else 'rows'}) a batch of {rows} over {d} devices runs "
             f"only {n}. Use split='balanced' (one replica per device whenever there are at least "
             f"as many rows as devices) and {fix}."
         )
     return (
-        f"{head}: with split='balanced' a batch of {batch} rows, fewer than the {d} devices, "
+        f"{head}: with split='balanced' a batch of {rows}, fewer than the {d} devices, "
         f"runs one replica per row. Keep split='balanced' and {fix}."
     )
 

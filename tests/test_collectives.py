@@ -507,6 +507,11 @@ def test_replicas_passing_different_shapes() -> None:
                 torch.zeros(30)
             )
         )
+    # The advice fits the collective: a reduction can take a sum first, a gather cannot.
+    with pytest.raises(ValueError, match=r"replica 1 passed float32\[1\]\. .*pad per-replica values"):
+        finishes(
+            lambda: fdp.pmap(lambda x: fdp.all_gather(x, "i"), axis_name="i", devices=cpus(2))(torch.zeros(3))
+        )
 
 
 def test_pmean_of_integers_is_refused() -> None:
