@@ -12,9 +12,10 @@ checked). On one device that holds every parameter and buffer, the module itself
 
 * parameters are copied to the devices only when they changed since the last forward (their
   version counters), not on every forward;
-* in training mode, every replica updates its own copy of the buffers (BatchNorm statistics) and
-  the module's buffers become their average weighted by shard size (``buffers="average"``), not
-  replica 0's alone (``buffers="replica0"`` restores that, for comparisons);
+* in training mode (of any submodule), every replica updates its own copy of the buffers
+  (BatchNorm statistics) and the module's buffers become their average weighted by shard size
+  (``buffers="average"``), not replica 0's alone (``buffers="replica0"`` restores that, for
+  comparisons);
 * unused parameters keep ``grad is None``, as on one device.
 """
 
@@ -52,10 +53,11 @@ class DataParallel(nn.Module):
         output_device: where outputs are gathered. Default: ``None``, the first device.
         dim: the dimension along which inputs (positional and keyword) are split and outputs
             concatenated. Default: ``0``.
-        buffers: in training mode, how the module's buffers are updated from the replicas'
-            copies: ``"average"`` (floating-point buffers become the average of the replicas'
-            updated copies, weighted by their numbers of rows; others take replica 0's) or
-            ``"replica0"`` (``nn.DataParallel``'s behaviour). Default: ``"average"``.
+        buffers: in training mode (of any submodule), how the module's buffers are updated
+            from the replicas' copies: ``"average"`` (floating-point buffers become the average
+            of the replicas' updated copies, weighted by their numbers of rows; others take
+            replica 0's) or ``"replica0"`` (``nn.DataParallel``'s behaviour). Default:
+            ``"average"``.
         split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
             ``"chunk"``.
 
@@ -108,15 +110,15 @@ class DataParallel(nn.Module):
         # (a reference cycle would keep every replaced model alive until the next gc run).
         self._mapped = _pmap.pmap(
             _forward_replica,
-            in_axes=(None, None, None, None, dim, dim),
+            in_axes=(None, None, None, None, None, dim, dim),
             out_axes=(dim, _state.PER_REPLICA),
             devices=list(devices),
             output_device=output,
             split=split,
         )
         self._mapped._caller = "fdp.DataParallel"
-        # The user's inputs are the pmapped function's args[4] (positional) and args[5] (keyword).
-        self._mapped.rename_paths = functools.partial(_user_path, 4, "output[0]")  # (output, state)
+        # The user's inputs are the pmapped function's args[5] (positional) and args[6] (keyword).
+        self._mapped.rename_paths = functools.partial(_user_path, 5, "output[0]")  # (output, state)
         # One device that holds the whole module: the module itself runs there, as
         # nn.DataParallel runs it on one device (see forward).
         self._direct: _pmap.Pmapped[..., Any] | None = None
@@ -159,18 +161,21 @@ class DataParallel(nn.Module):
             # Nothing to split: nn.DataParallel runs such a call on its first device alone.
             if direct is not None:
                 return self.module(*inputs, **kwargs)
-            params, buffers = _parameters_and_buffers(self.module)
+            params, buffers, training = _parameters_and_buffers(self.module)
             device = self._devices[0]
             params = {name: p.to(device) for name, p in params.items()}
             on_device = {name: b.to(device) for name, b in buffers.items()}
-            outputs, state = _forward_replica(self.module, self.dim, params, on_device, inputs, kwargs)
+            outputs, state = _forward_replica(
+                self.module, self.dim, training, params, on_device, inputs, kwargs
+            )
             if state is not None:
                 self._update_buffers(buffers, [state[0]], [1.0])
             return outputs
         if direct is not None:
             return direct(self.module, inputs, kwargs)
-        params, buffers = _parameters_and_buffers(self.module)
-        outputs, state = self._mapped(self.module, self.dim, self._place(params), buffers, inputs, kwargs)  # type: ignore[arg-type]
+        params, buffers, training = _parameters_and_buffers(self.module)
+        placed: Any = self._place(params)  # PerReplica values, where the replicas get tensors
+        outputs, state = self._mapped(self.module, self.dim, training, placed, buffers, inputs, kwargs)
         if state is not None:
             updated, rows = state
             replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
@@ -244,17 +249,24 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
     return True
 
 
-def _parameters_and_buffers(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _parameters_and_buffers(
+    module: nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bool]:
     """``dict(module.named_parameters())`` and ``dict(module.named_buffers())``, from one walk
     over the submodules instead of two: with the names and the skipping of ``None`` and of
     tensors met before (under another name) of those methods. For a module of a few dozen
-    submodules the second walk would cost about as much as the rest of a forward's own work."""
+    submodules the second walk would cost about as much as the rest of a forward's own work.
+    Also whether any submodule is in training mode: under ``model.eval()``, a submodule set
+    back to ``train()`` (a BatchNorm) updates its buffers, as on one device. (Read on this
+    walk: another over a few hundred submodules, in each replica, would cost ~0.4 ms.)"""
+    training = False
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     seen_params: set[torch.Tensor] = set()
     seen_buffers: set[torch.Tensor] = set()
     for prefix, submodule in module.named_modules():
         state = submodule.__dict__
+        training = training or state["training"]
         for tensors, seen, slots in (
             (params, seen_params, "_parameters"),
             (buffers, seen_buffers, "_buffers"),
@@ -264,20 +276,22 @@ def _parameters_and_buffers(module: nn.Module) -> tuple[dict[str, torch.Tensor],
                     continue
                 seen.add(tensor)
                 tensors[f"{prefix}.{name}" if prefix else name] = tensor
-    return params, buffers
+    return params, buffers, training
 
 
 def _forward_replica(
     module: nn.Module,
     dim: int,
+    training: bool,
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """One replica's forward; in training mode, with its own copy of the buffers, returned
-    with the number of rows it ran on (else None: nothing to update)."""
-    if not (module.training and buffers):
+    """One replica's forward; in training mode (``training``: of any submodule, not the root's
+    alone), with its own copy of the buffers, returned with the number of rows it ran on (else
+    None: nothing to update)."""
+    if not (training and buffers):
         return _functional_call.functional_call(module, {**params, **buffers}, args, kwargs), None
     output, new_buffers = _functional_call.stateful_call(module, params, buffers, args, kwargs)
     tensors = [t for t in _tree.flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]

@@ -377,6 +377,35 @@ def test_a_buffer_that_forward_reassigns_is_kept_in_training(n: int) -> None:
     assert model.module.steps.item() == 3.0
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_submodule_in_training_under_a_root_in_evaluation(n: int) -> None:
+    """``model.eval(); model.norm.train()``: the norm's statistics update, as on one device
+    (nn.DataParallel keeps replica 0's); the replicas must not update shared buffers."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.norm = nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return self.norm(self.fc(x))
+
+    net = Net()
+    net.eval()
+    net.norm.train()
+    oracle = copy.deepcopy(net)
+    x = torch.randn(8, 3) * 2 + 1
+    fdp.DataParallel(net, device_ids=cpus(n))(x)
+    means = []
+    for shard in x.chunk(n):  # each replica's update of its own copy, then their average
+        twin = copy.deepcopy(oracle)
+        twin(shard)
+        means.append(twin.norm.running_mean)
+    torch.testing.assert_close(net.norm.running_mean, torch.stack(means).mean(0))
+    assert int(net.norm.num_batches_tracked) == 1
+
+
 def test_buffers_are_averaged_at_full_precision_under_autocast() -> None:
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4)
@@ -452,9 +481,14 @@ def test_one_walk_lists_what_named_parameters_and_named_buffers_list() -> None:
             self.b.register_buffer("step_too", self.step)  # a tied buffer
 
     for module in (Tricky(), nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Sequential(nn.LayerNorm(3)))):
-        params, buffers = _data_parallel._parameters_and_buffers(module)
+        params, buffers, training = _data_parallel._parameters_and_buffers(module)
         assert list(params.items()) == list(module.named_parameters())
         assert list(buffers.items()) == list(module.named_buffers())
+        assert training
+        module.eval()
+        assert not _data_parallel._parameters_and_buffers(module)[2]
+        module[-1].train() if isinstance(module, nn.Sequential) else module.again.train()
+        assert _data_parallel._parameters_and_buffers(module)[2]
 
 
 def test_bad_buffers_mode() -> None:
