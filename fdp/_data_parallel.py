@@ -55,9 +55,9 @@ class DataParallel(nn.Module):
             concatenated. Default: ``0``.
         buffers: in training mode (of any submodule), how the module's buffers are updated
             from the replicas' copies: ``"average"`` (floating-point buffers become the average
-            of the replicas' updated copies, weighted by their numbers of rows; others take
-            replica 0's) or ``"replica0"`` (``nn.DataParallel``'s behaviour). Default:
-            ``"average"``.
+            of the replicas' updated copies, weighted by their numbers of rows; others, and
+            reassigned ones whose replicas' values differ in shape or dtype, take replica 0's)
+            or ``"replica0"`` (``nn.DataParallel``'s behaviour). Default: ``"average"``.
         split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
             ``"chunk"``.
 
@@ -227,13 +227,22 @@ class DataParallel(nn.Module):
         for name, buffer in buffers.items():
             values = [r[name].to(buffer.device) for r in replicas]
             new = values[0]
-            if self.buffers_mode == "average" and buffer.is_floating_point():
+            # A buffer that forward reassigned may come back with another shape or dtype than
+            # the module's (a cache that grows with the input): averaged only where the
+            # replicas' values agree in both, else replica 0's, as for integer buffers.
+            alike = all(v.shape == new.shape and v.dtype == new.dtype for v in values)
+            if self.buffers_mode == "average" and new.is_floating_point() and alike:
                 # sum_r w_r / W * value_r, in elementwise products: a contraction (tensordot)
                 # would run in autocast's lower precision inside an autocast region.
-                share = torch.tensor(weights, dtype=buffer.dtype, device=buffer.device) / total
+                share = torch.tensor(weights, dtype=new.dtype, device=buffer.device) / total
                 stacked = torch.stack(values)
-                new = (share.view(-1, *[1] * buffer.dim()) * stacked).sum(0)
-            if not torch.equal(new, buffer):  # untouched buffers keep their version counters
+                new = (share.view(-1, *[1] * new.dim()) * stacked).sum(0)
+            if new.shape != buffer.shape or new.dtype != buffer.dtype:
+                # Copied into the old buffer it would fail, broadcast or be cast silently: the
+                # new tensor takes its place, as `self.buf = ...` does on one device.
+                owner, _, leaf = name.rpartition(".")
+                setattr(self.module.get_submodule(owner), leaf, new)
+            elif not torch.equal(new, buffer):  # untouched buffers keep their version counters
                 buffer.copy_(new)
 
 

@@ -406,6 +406,38 @@ def test_a_submodule_in_training_under_a_root_in_evaluation(n: int) -> None:
     assert int(net.norm.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_buffer_that_forward_reassigns_with_another_shape_or_dtype(n: int) -> None:
+    """As on one device, the module's buffer becomes the new tensor: not copied into the old
+    one (which fails for a cache that grows, or broadcasts silently) nor cast to its dtype."""
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("table", torch.zeros(2, 4), persistent=False)  # a RoPE-like cache
+            self.register_buffer("scale", torch.ones(2))
+            self.register_buffer("mask", torch.zeros(4))
+
+        def forward(self, x):
+            length = x.shape[1]
+            if self.table.shape[0] < length:
+                self.table = torch.arange(length * 4.0).view(length, 4)
+            self.scale = torch.tensor(2.0)  # 0-dim, not broadcast into the old shape
+            self.mask = torch.ones(4, dtype=torch.bool)
+            return self.fc(x) * self.scale + self.table[:length]
+
+    net = Cached()
+    oracle = copy.deepcopy(net)
+    x = torch.randn(4, 3, 4)
+    model = fdp.DataParallel(net, device_ids=cpus(n))
+    for _ in range(2):
+        torch.testing.assert_close(model(x), oracle(x))
+        for name, expected in oracle.named_buffers():
+            torch.testing.assert_close(net.get_buffer(name), expected, msg=name)
+    assert list(model.state_dict()) == [f"module.{name}" for name in oracle.state_dict()]
+
+
 def test_buffers_are_averaged_at_full_precision_under_autocast() -> None:
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4)
