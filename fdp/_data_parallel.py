@@ -133,7 +133,7 @@ class DataParallel(nn.Module):
             )
             self._direct._caller = "fdp.DataParallel"
             self._direct.rename_paths = functools.partial(_user_path, 1, None)
-        self._placed: tuple[Any, Any] | None = None  # (key, PerReplica parameters)
+        self._placed: tuple[Any, Any, Any] | None = None  # (key, PerReplica parameters, parameters)
         # Whether a parameter already on the devices is handed to the replicas as it is: one
         # device, or CPU replicas sharing it (no replica gets a view: see
         # _transfer.alias_shared_leaves). In-place changes then reach the replicas by themselves.
@@ -194,16 +194,21 @@ class DataParallel(nn.Module):
         """The parameters on every device, copied again only when one of them changed.
 
         The key holds every parameter's identity, version counter (bumped by optimizer steps and
-        any in-place change), device and ``requires_grad``, and the grad mode (copies made under
-        ``no_grad`` carry no graph back to the parameters). A parameter that the replicas get as
-        it is (see ``_shared_as_is``) needs no version: its changes are theirs already, and an
-        optimizer step does not make the call place the parameters again.
+        any in-place change), data address and dtype, device and ``requires_grad``, and the grad
+        mode (copies made under ``no_grad`` carry no graph back to the parameters). The address
+        and dtype are for changes that swap a parameter's data and keep its version counter:
+        ``model.half()``, ``model.to(dtype)``, ``p.data = t``. (An in-place change through
+        ``p.data`` is seen by nothing: its version counter is not the parameter's.) A parameter
+        that the replicas get as it is (see ``_shared_as_is``) needs none of these: its changes
+        are theirs already, and an optimizer step does not make the call place the parameters
+        again. The parameters are kept with the key: the ids of ones replaced since (``model.fc
+        = nn.Linear(...)``) cannot be reused by new ones while compared.
         """
         home = self._devices[0] if self._shared_as_is else None
         key = (
             torch.is_grad_enabled(),
             tuple(
-                (name, id(p), None if p.device == home else p._version, p.device, p.requires_grad)
+                (name, id(p), None if p.device == home else _data_key(p), p.device, p.requires_grad)
                 for name, p in params.items()
             ),
         )
@@ -215,7 +220,7 @@ class DataParallel(nn.Module):
             name: _state.PerReplica.prefix([row[i] for row in rows], self._devices)
             for i, name in enumerate(params)
         }
-        self._placed = (key, placed)
+        self._placed = (key, placed, list(params.values()))
         return placed
 
     @torch.no_grad()
@@ -244,6 +249,12 @@ class DataParallel(nn.Module):
                 setattr(self.module.get_submodule(owner), leaf, new)
             elif not torch.equal(new, buffer):  # untouched buffers keep their version counters
                 buffer.copy_(new)
+
+
+def _data_key(p: torch.Tensor) -> tuple[int, int | None, torch.dtype]:
+    """What tells a parameter's placed copies stale: its version counter, and its data's
+    address (strided tensors have one) and dtype, which change without it (see ``_place``)."""
+    return p._version, p.data_ptr() if p.layout == torch.strided else None, p.dtype
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:

@@ -231,6 +231,32 @@ def test_no_replication_while_parameters_are_unchanged(monkeypatch: pytest.Monke
     assert len(calls) == 3
 
 
+def test_parameters_whose_data_is_replaced_are_placed_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.half()``/``.double()`` after wrapping, or ``p.data = t``, swap a parameter's data
+    without a change of identity or version counter: on GPUs, replicas whose copies were placed
+    before would run on the old values (or dtype)."""
+    calls: list[int] = []
+    replicate = _data_parallel._scatter.replicate
+
+    def counting(tree, devices):
+        calls.append(1)
+        return replicate(tree, devices)
+
+    monkeypatch.setattr(_data_parallel._scatter, "replicate", counting)
+    model = fdp.DataParallel(nn.Linear(3, 3), device_ids=cpus(2))
+    model._shared_as_is = False  # as on several GPUs: the replicas get copies, placed by version
+    x = torch.randn(4, 3)
+    model(x)
+    model(x)
+    assert len(calls) == 1
+    model.module.double()
+    torch.testing.assert_close(model(x.double()), model.module(x.double()))
+    assert len(calls) == 2
+    model.module.weight.data = torch.zeros(3, 3, dtype=torch.float64)
+    torch.testing.assert_close(model(x.double()), model.module(x.double()))
+    assert len(calls) == 3
+
+
 def test_parameters_are_visible_inside_forward() -> None:
     """nn.DataParallel's replicas have empty _parameters: self.parameters() yields nothing."""
     seen: list[int] = []
