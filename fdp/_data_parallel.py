@@ -236,12 +236,23 @@ class DataParallel(nn.Module):
             # the module's (a cache that grows with the input): averaged only where the
             # replicas' values agree in both, else replica 0's, as for integer buffers.
             alike = all(v.shape == new.shape and v.dtype == new.dtype for v in values)
-            if self.buffers_mode == "average" and new.is_floating_point() and alike:
+            if (
+                self.buffers_mode == "average"
+                and new.is_floating_point()
+                and alike
+                # Replicas that agree (on a buffer that forward leaves alone, say) give their
+                # value as it is: shares such as 2/3 and 1/3 need not sum to exactly 1, and the
+                # average would make the buffer drift, call after call.
+                and not all(torch.equal(v, new) for v in values[1:])
+            ):
                 # sum_r w_r / W * value_r, in elementwise products: a contraction (tensordot)
-                # would run in autocast's lower precision inside an autocast region.
-                share = torch.tensor(weights, dtype=new.dtype, device=buffer.device) / total
-                stacked = torch.stack(values)
-                new = (share.view(-1, *[1] * new.dim()) * stacked).sum(0)
+                # would run in autocast's lower precision inside an autocast region. In float32
+                # at least, rounded to the buffer's dtype once: bfloat16 shares of 2/3 and 1/3
+                # sum to 1.002.
+                exact = torch.promote_types(new.dtype, torch.float32)
+                share = torch.tensor(weights, dtype=exact, device=buffer.device) / total
+                stacked = torch.stack(values).to(exact)
+                new = (share.view(-1, *[1] * new.dim()) * stacked).sum(0).to(new.dtype)
             if new.shape != buffer.shape or new.dtype != buffer.dtype:
                 # Copied into the old buffer it would fail, broadcast or be cast silently: the
                 # new tensor takes its place, as `self.buf = ...` does on one device.
