@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _compile, _devices, _functional_call, _pmap, _scatter, _state, _transfer, _tree
+from . import _compile, _devices, _functional_call, _pmap, _scatter, _split, _state, _transfer, _tree
 
 __all__ = ["DataParallel"]
 
@@ -81,6 +81,15 @@ class DataParallel(nn.Module):
         split: Literal["chunk", "balanced"] = "chunk",
     ) -> None:
         super().__init__()
+        # Checked here, in the wrapper's own words: the pmapped function beneath would name
+        # itself and its in_axes (a bad dim), or fail on the first call (not a module).
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"fdp.DataParallel: module must be a torch.nn.Module, got {type(module).__name__}"
+            )
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"fdp.DataParallel: dim must be an int, got {type(dim).__name__}: {dim!r}")
+        _split.check_split(split, what="fdp.DataParallel split")
         if buffers not in ("average", "replica0"):
             raise ValueError(f"fdp.DataParallel: buffers must be 'average' or 'replica0', got {buffers!r}")
         self.module = module

@@ -218,6 +218,27 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"map inputs\[0\] of type float32\[4,2\] along axis 2",
     ),
     (
+        "DataParallel with a dim that is not an int",
+        lambda: (),
+        lambda a: fdp.DataParallel(nn.Linear(1, 1), device_ids=cpus(2), dim="1"),  # type: ignore[arg-type]
+        TypeError,
+        r"^fdp.DataParallel: dim must be an int, got str: '1'$",
+    ),
+    (
+        "DataParallel with an unknown split rule",
+        lambda: (),
+        lambda a: fdp.DataParallel(nn.Linear(1, 1), device_ids=cpus(2), split="even"),  # type: ignore[arg-type]
+        ValueError,
+        r"^fdp.DataParallel split must be one of \('chunk', 'balanced'\), got 'even'$",
+    ),
+    (
+        "DataParallel of something that is not a module",
+        lambda: (),
+        lambda a: fdp.DataParallel(torch.tanh, device_ids=cpus(2)),  # type: ignore[arg-type]
+        TypeError,
+        r"^fdp.DataParallel: module must be a torch.nn.Module, got builtin_function_or_method$",
+    ),
+    (
         "resident state on fewer replicas than run",
         lambda: (fdp.device_put_replicated({"w": torch.zeros(1)}, cpus(2)), torch.zeros(3)),
         lambda a: pm(lambda s, x: x, devices=cpus(3))(*a),
