@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from helpers import cpus, sgd_steps
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fdp
 from fdp import _data_parallel
@@ -553,6 +554,42 @@ def test_activation_checkpointing_inside_forward(n: int) -> None:
     for shard in x.chunk(n):  # BatchNorm normalizes each replica's shard apart
         oracle(shard).square().sum().backward()
     assert_grads_match(net, oracle, atol=1e-5)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "on_workers"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_activation_checkpointing_around_the_wrapper(
+    n: int, inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint(model, x, use_reentrant=False)`` with ``model`` an fdp.DataParallel (a block of
+    a larger model). torch's checkpoint matches the tensors its hooks save in the forward to
+    those of the recomputation by the order they are saved in: replicas running side by side
+    did not keep one, and with tensors of equal shapes the gradients were silently wrong (they
+    now take turns in index order)."""
+    monkeypatch.setattr(fdp._pool, "INLINE_REPLICAS", inline)
+
+    class Elementwise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            for _ in range(12):
+                x = torch.sin(x) * self.scale  # every saved tensor has the shard's shape
+            return x
+
+    net = Elementwise()
+    model = fdp.DataParallel(net, device_ids=cpus(n))
+    for _ in range(3):
+        x = torch.randn(2 * n, 2048, requires_grad=True)
+        checkpoint(model, x, use_reentrant=False).square().sum().backward()
+        expected = x.detach().clone().requires_grad_()
+        twin = copy.deepcopy(net)
+        twin.scale.grad = None
+        twin(expected).square().sum().backward()
+        torch.testing.assert_close(x.grad, expected.grad)
+        torch.testing.assert_close(net.scale.grad, twin.scale.grad)
+        net.scale.grad = None
 
 
 def test_one_walk_lists_what_named_parameters_and_named_buffers_list() -> None:

@@ -115,6 +115,25 @@ def test_saved_tensor_hooks_apply_in_replicas() -> None:
     torch.testing.assert_close(x.grad, 2 * x.detach())
 
 
+def test_checkpointing_around_a_call_with_collectives() -> None:
+    """torch.utils.checkpoint's hooks match saved tensors by the order they are saved in, which
+    replicas running side by side did not keep: they now take turns in index order between
+    collectives (gradients were silently wrong where the shapes of the mixed-up tensors agree)."""
+    from torch.utils.checkpoint import checkpoint
+
+    f = fdp.pmap(
+        lambda x: torch.sin(x) * fdp.pmean(torch.sin(x).sum(0, keepdim=True), "i"),
+        axis_name="i",
+        devices=cpus(3),
+    )
+    for _ in range(3):
+        x = torch.randn(6, 512, requires_grad=True)
+        checkpoint(f, x, use_reentrant=False).square().sum().backward()
+        expected = x.detach().clone().requires_grad_()
+        f(expected).square().sum().backward()
+        torch.testing.assert_close(x.grad, expected.grad)
+
+
 def test_state_does_not_leak_into_the_next_call() -> None:
     f, seen = observe(cpus(2))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
