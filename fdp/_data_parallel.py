@@ -127,7 +127,14 @@ class DataParallel(nn.Module):
         )
         self._mapped._caller = "fdp.DataParallel"
         # The user's inputs are the pmapped function's args[5] (positional) and args[6] (keyword).
-        self._mapped.rename_paths = functools.partial(_user_path, 5, "output[0]")  # (output, state)
+        self._mapped.rename_paths = functools.partial(  # output: (output, state)
+            _user_path, 5, "output[0]", more=(("args[3]", "params"), ("args[4]", "buffers"))
+        )
+        self._mapped.in_place_advice = (
+            "In evaluation mode the replicas share the module's buffers (in training mode, of any "
+            "submodule, each updates a copy of its own, averaged back after the call): change "
+            "buffers in place in training mode only, or run such a module on one device."
+        )
         # One device that holds the whole module: the module itself runs there, as
         # nn.DataParallel runs it on one device (see forward).
         self._direct: _pmap.Pmapped[..., Any] | None = None
@@ -342,12 +349,13 @@ def _call_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     return module(*args, **kwargs)
 
 
-def _user_path(first: int, output: str | None, path: str) -> str:
+def _user_path(first: int, output: str | None, path: str, more: tuple[tuple[str, str], ...] = ()) -> str:
     """A key path of the pmapped function's arguments or output as the user's, for messages:
     its ``args[first]`` and ``args[first + 1]`` are the user's positional ``inputs`` and
-    keyword ``kwargs``, and ``output`` (if given) is the user's ``output``. (Bound with
-    functools.partial, which pickles: the wrapper may be saved.)"""
-    renames = [(f"args[{first}]", "inputs"), (f"args[{first + 1}]", "kwargs")]
+    keyword ``kwargs``, ``output`` (if given) is the user's ``output``, and ``more`` renames
+    other arguments (``params``, ``buffers``). (Bound with functools.partial, which pickles: the
+    wrapper may be saved.)"""
+    renames = [(f"args[{first}]", "inputs"), (f"args[{first + 1}]", "kwargs"), *more]
     if output is not None:
         renames.append((output, "output"))
     for position, name in renames:

@@ -90,6 +90,8 @@ class Pmapped(Generic[P, R]):
         self._compile_options = compile
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None
+        # ... and what to do about an argument the replicas modified in place.
+        self.in_place_advice: str | None = None
         self._start_afresh()
         if not self.is_module:
             # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
@@ -443,9 +445,12 @@ class Pmapped(Generic[P, R]):
                 raise RuntimeError(
                     f"{self._caller}: the replicas modified {paths[k]} in place, but it is "
                     f"replicated (axis None) over {len(copies)} replicas, which share it on one "
-                    "device or hold copies of it on others: the updates race or are lost. Return "
-                    "the new value instead (for BatchNorm statistics, pass the buffers in and "
-                    "return the updated ones), or map the argument."
+                    "device or hold copies of it on others: the updates race or are lost. "
+                    + (
+                        self.in_place_advice
+                        or "Return the new value instead (for BatchNorm statistics, pass the buffers "
+                        "in and return the updated ones), or map the argument."
+                    )
                 )
 
 

@@ -898,3 +898,19 @@ def test_errors_name_the_outputs_as_the_module_returned_them() -> None:
 
     with pytest.raises(ValueError, match=r"different non-tensor values at output\['sign'\]: replica 0"):
         fdp.DataParallel(Signed(), device_ids=cpus(2))(torch.tensor([1.0, -1.0]))
+
+
+def test_a_buffer_changed_in_place_in_evaluation_mode_is_named_as_the_users() -> None:
+    class Observer(nn.Module):  # a quantization observer, calibrated under model.eval()
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("high", torch.zeros(()))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.high.copy_(torch.maximum(self.high, x.max().detach()))
+            return self.lin(x)
+
+    model = fdp.DataParallel(Observer().eval(), device_ids=cpus(2))
+    with pytest.raises(RuntimeError, match=r"modified buffers\['high'\] in place.*training mode only"):
+        model(torch.randn(4, 4))
