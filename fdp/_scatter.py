@@ -89,8 +89,11 @@ def scatter_leaves(
     user_axes = {k: axes[k] for k, _ in mapped}  # as the user wrote them, for messages
 
     if batch is None and resident:
-        # Only resident state: one replica per copy, and nothing to split.
-        run_on = devices[: len(leaves[resident[0]])]
+        # Only resident state: nothing to split, and one replica per device, each on its copy.
+        # As with a batch, the state must be held on every device: run on as many replicas as
+        # its first leaf holds, a state on fewer devices would run fewer replicas unnoticed (and
+        # an empty one none, a call that would wait forever), and another leaf be blamed.
+        run_on = devices
         rows: list[list[Any]] = [list(leaves) for _ in run_on]
         _place_resident(leaves, resident, rows, run_on, caller, paths, devices, split, None)
         shared: list[tuple[int, list[torch.Tensor]]] = []

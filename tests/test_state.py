@@ -97,6 +97,24 @@ def test_state_on_other_devices_is_an_error(n: int) -> None:
         fdp.pmap(lambda s, x: x, devices=cpus(n))(empty, torch.zeros(3))
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_state_alone_on_other_devices_is_an_error(n: int) -> None:
+    # With nothing mapped as with a batch: a state on 2 devices must not run 2 of the call's 3
+    # replicas, an empty one no replica at all (a call that waited forever), and the leaf
+    # blamed is the one that does not fit, not the first.
+    f = fdp.pmap(lambda s: s, devices=cpus(n), out_axes=fdp.PER_REPLICA)
+    with pytest.raises(ValueError, match=rf"args\[0\]\['w'\] holds 2 values, .* runs {n} replicas?"):
+        f({"w": fdp.device_put_replicated(torch.ones(2), cpus(2))})
+    state = {
+        "a": fdp.device_put_replicated(torch.ones(1), cpus(2)),
+        "b": fdp.device_put_replicated(torch.ones(1), cpus(3)),
+    }
+    with pytest.raises(ValueError, match=r"args\[0\]\['a'\] holds 2 values"):
+        fdp.pmap(lambda s: s, devices=cpus(3))(state)
+    with pytest.raises(ValueError, match=r"args\[0\] holds 0 values, one per replica on \[\]"):
+        f(fdp.PerReplica([], []))
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_resident_state_reaches_the_replicas_in_each_calls_containers(n: int) -> None:
     # One replica takes resident state without the general scatter: its trees are rebuilt with
