@@ -286,7 +286,26 @@ def rng_checkpoint_context() -> tuple[
     mode = _ACTIVE.modes[-1]
     states = {device: g.get_state() for device, g in mode.generators.items()}
     # The call count too: a pmapped call in the region gets its seed again.
-    return contextlib.nullcontext(), _entered(_RngMode(mode.seed, states, mode.calls))
+    return contextlib.nullcontext(), _Replay(mode.seed, states, mode.calls)
+
+
+class _Replay(contextlib.AbstractContextManager[None]):
+    """The scope a checkpointed region is recomputed in, from the same generator states every
+    time it is entered: torch.utils.checkpoint enters it once per backward pass through the
+    region (twice for two passes with ``retain_graph=True``, or two ``torch.autograd.grad``
+    calls), and each recomputation must draw the forward's masks again."""
+
+    def __init__(self, seed: int, states: dict[torch.device, torch.Tensor], calls: int) -> None:
+        self._seed, self._states, self._calls = seed, states, calls
+        self._scopes: list[contextlib.AbstractContextManager[None]] = []  # entered, innermost last
+
+    def __enter__(self) -> None:
+        scope = _entered(_RngMode(self._seed, self._states, self._calls))
+        scope.__enter__()
+        self._scopes.append(scope)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._scopes.pop().__exit__(*exc)
 
 
 def replica_scope(seed: int | None, index: int) -> contextlib.AbstractContextManager[None]:

@@ -142,6 +142,23 @@ def test_checkpoint_around_a_whole_pmapped_call_replays_the_masks(axis_name: str
         assert torch.equal(x.grad, 2 * y.detach()), trial
 
 
+def test_checkpoint_recomputes_the_same_masks_on_every_backward_pass() -> None:
+    # Each backward pass recomputes the region (retain_graph=True, or torch.autograd.grad
+    # twice): each must replay the forward's masks, not fail on a used-up context.
+    from torch.utils.checkpoint import checkpoint
+
+    layer = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5))
+    x = torch.randn(8, 16, requires_grad=True)
+    with fdp.rng_scope(9):
+        plain = layer(x)
+    (expected,) = torch.autograd.grad(plain.sum(), x)
+    with fdp.rng_scope(9):
+        y = checkpoint(layer, x, use_reentrant=False, context_fn=fdp.rng_checkpoint_context)
+    for _ in range(3):
+        (grad,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        assert torch.equal(grad, expected)
+
+
 def test_fused_attention_kernels_with_internal_dropout_refuse() -> None:
     q = torch.ones(1, 1, 4, 8)
     with (
