@@ -19,7 +19,7 @@ import optree
 import torch
 from torch import nn
 
-from . import _axes, _compile, _devices, _functional_call, _gather, _pool, _scatter, _split, _tree
+from . import _axes, _compile, _devices, _functional_call, _gather, _pool, _random, _scatter, _split, _tree
 
 __all__ = ["pmap", "Pmapped"]
 
@@ -328,7 +328,9 @@ class Pmapped(Generic[P, R]):
                 take_turns=take_turns,
             )
 
-        if self._turns is None:
+        if self._turns is None or _random.active_depth():
+            # In fdp.rng_scope every replica runs in a scope of its own, where nothing compiles
+            # (see _call_replica): no turns to take, and none to learn from.
             outputs = run()
         else:
             outputs = self._turns.run(
@@ -423,12 +425,19 @@ class Pmapped(Generic[P, R]):
         args, kwargs = tree[-2], tree[-1] or {}
         if statics:
             args = tuple(statics.get(k, a) for k, a in enumerate(args))
+        compiled = self._compiled
+        if compiled is not None and torch._C._len_torch_dispatch_stack():
+            # Under a TorchDispatchMode (fdp.rng_scope around the call, which every replica
+            # then runs in) dynamo compiles nothing, and marks the function's code to be run
+            # uncompiled for good: later calls outside the mode would never compile. The plain
+            # function runs as eagerly, and leaves the compiled one to those calls.
+            compiled = None
         if not self.is_module:
-            return (self._compiled or self.fn)(*args, **kwargs)
-        if self._compiled is None:
+            return (compiled or self.fn)(*args, **kwargs)
+        if compiled is None:
             return _functional_call.functional_call(self.fn, tree[0], args, kwargs)  # type: ignore[arg-type]
         with _functional_call.private_module(self.fn) as module:  # type: ignore[arg-type]
-            return self._compiled(module, tree[0], args, kwargs)
+            return compiled(module, tree[0], args, kwargs)
 
     def _check_unmodified(
         self,

@@ -109,6 +109,28 @@ def test_a_change_of_global_state_is_recompiled_once_not_once_per_replica() -> N
     assert counts == [2, 2, 4, 4]
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_call_inside_an_rng_scope_leaves_later_calls_compiled(replicas: int) -> None:
+    """dynamo compiles nothing under a TorchDispatchMode such as fdp.rng_scope, and marks the
+    code it skips to be run uncompiled for good: one call inside a scope (an evaluation with
+    dropout, say) must not leave the function uncompiled for the calls outside it."""
+    recorder = GraphRecorder()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x * 2, 0.5) + 1
+
+    compiled = fdp.pmap(f, devices=cpus(replicas), compile={"backend": recorder})
+    eager = fdp.pmap(f, devices=cpus(replicas))
+    x = torch.ones(2 * replicas, 16)
+    with fdp.rng_scope(3):
+        inside = compiled(x)
+    with fdp.rng_scope(3):
+        assert torch.equal(inside, eager(x))  # the scope's masks, reproducibly
+    assert recorder.calls == 0
+    torch.testing.assert_close(compiled(x * 0), torch.ones_like(x))
+    assert recorder.calls == 1  # compiled, once and not once per replica
+
+
 def test_replicas_take_turns_only_while_dynamo_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     turns: list[bool] = []
     run_replicas = fdp._pool.run_replicas
