@@ -223,9 +223,10 @@ def _graphs_compiled() -> int:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def eager_under_compile(fn: _F) -> _F:
+def eager_under_compile(fn: _F, *, why: str | None = None) -> _F:
     """Keeps ``fn`` out of ``torch.compile``'s graphs: a public collective, or a check that
-    dynamo cannot trace (see ``fdp._optim``).
+    dynamo cannot trace (see ``fdp._optim``). ``why`` replaces the reason dynamo gives for the
+    break (by default: ``fn`` waits for or runs replicas in other threads).
 
     A collective waits on a condition variable for the other replicas' threads. Dynamo cannot
     trace that: it would fall back to eager for the whole enclosing frame, then compile the
@@ -242,7 +243,7 @@ def eager_under_compile(fn: _F) -> _F:
     if never_compiled(fn):
         fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
         # What dynamo says of the break, e.g. to torch.compile(..., fullgraph=True).
-        fn._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+        fn._torchdynamo_disable_msg = why or (  # type: ignore[attr-defined]
             f"fdp runs {fn.__qualname__} eagerly, as a graph break: it waits for or runs "
             "replicas in other threads, which torch.compile cannot trace (fullgraph=True cannot "
             "hold it). To compile what the replicas run, use fdp.pmap(fn, compile=True)."

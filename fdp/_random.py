@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives
+from ._compile import eager_under_compile
 
 __all__ = ["fold_in", "replica_seed", "rng_scope", "rng_checkpoint_context", "call_seed", "active_depth"]
 
@@ -257,6 +258,16 @@ def rng_scope(seed: int) -> contextlib.AbstractContextManager[None]:
         True
     """
     return _entered(_RngMode(int(seed)))
+
+
+# Traced, entering the scope reaches TorchDispatchMode.__enter__, whose C++ builtin dynamo cannot
+# trace: it warns (an InternalTorchDynamoError where warnings are errors) before it breaks the
+# graph. Nothing compiles in the scope anyway (dynamo skips frames under a dispatch mode).
+eager_under_compile(
+    rng_scope,
+    why="fdp.rng_scope is a TorchDispatchMode, under which torch.compile compiles nothing: "
+    "entering it is a graph break, and the code in the scope runs eagerly.",
+)
 
 
 def rng_checkpoint_context() -> tuple[

@@ -131,6 +131,25 @@ def test_a_call_inside_an_rng_scope_leaves_later_calls_compiled(replicas: int) -
     assert recorder.calls == 1  # compiled, once and not once per replica
 
 
+def test_an_rng_scope_inside_the_compiled_function_is_a_clean_graph_break() -> None:
+    """Entering the scope is one graph break, without dynamo's warning that it cannot trace
+    TorchDispatchMode.__enter__ (an error where warnings are errors, as in these tests): the
+    code before it compiles, the scope's code runs eagerly and draws from the scope."""
+    recorder = GraphRecorder()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        with fdp.rng_scope(fdp.replica_seed(0, "i")):
+            y = F.dropout(y, 0.5)
+        return y + 1
+
+    compiled = fdp.pmap(f, axis_name="i", devices=cpus(2), compile={"backend": recorder})
+    eager = fdp.pmap(f, axis_name="i", devices=cpus(2))
+    x = torch.ones(4, 16)
+    assert torch.equal(compiled(x), eager(x)) and torch.equal(compiled(x), eager(x))
+    assert recorder.graphs == {frozenset({operator.mul})}
+
+
 def test_replicas_take_turns_only_while_dynamo_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     turns: list[bool] = []
     run_replicas = fdp._pool.run_replicas
