@@ -141,9 +141,14 @@ class _RngMode(TorchDispatchMode):
         self.calls = calls  # pmapped calls made in this scope so far (see call_seed)
         self.generators: dict[torch.device, torch.Generator] = {}
         for device, state in (states or {}).items():
-            self.generator(device).set_state(state)
+            self.generators[device] = torch.Generator(device)
+            self.generators[device].set_state(state)
 
-    def generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if device.type == "meta":
+            # Meta tensors hold no values: their random ops draw nothing, and torch has no
+            # generator for them (torch.Generator("meta") raises). None leaves the op as it was.
+            return None
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         g = self.generators.get(device)

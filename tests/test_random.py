@@ -202,6 +202,18 @@ def test_dropout_semantics_in_the_scope() -> None:
     assert all(len(channel.unique()) == 1 for channel in mask.reshape(6, 16))  # one draw per channel
 
 
+def test_random_ops_on_the_meta_device_in_the_scope() -> None:
+    # Meta tensors hold no values and torch has no generator for them: building a model on the
+    # meta device inside a scope must work as outside one, not fail naming the META device.
+    with fdp.rng_scope(0):
+        layer = nn.Linear(3, 4, device="meta")
+        dropped = F.dropout(torch.ones(8, device="meta"), 0.5)
+        native = torch.ops.aten.native_dropout(torch.ones(8, device="meta"), 0.5, True)
+        drawn = torch.rand(2, device="meta")
+    assert layer.weight.is_meta and dropped.shape == (8,) and native[1].dtype == torch.bool
+    assert drawn.is_meta
+
+
 def test_scope_is_per_thread() -> None:
     inside = threading.Event()
     release = threading.Event()
