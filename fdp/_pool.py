@@ -264,6 +264,15 @@ def _primary_error(
     if same:
         where += f", and the same object by replica(s) {same}"
     _note(error, caller, f"raised by {where}")
+    if isinstance(error, RuntimeError) and "output of a function that returns multiple views" in str(error):
+        # torch's message names SplitWithSizes, which the user never called.
+        _note(
+            error,
+            caller,
+            "the replicas' shards of a mapped input that requires grad are views of it (one "
+            "split_with_sizes), which autograd lets no one change in place: use the out-of-place "
+            "op (nn.ReLU(inplace=False), x = x.relu()) on the shard, or clone it first",
+        )
     for i, other in failed:
         if other is not error:
             _note(

@@ -241,3 +241,12 @@ def test_failure_does_not_leak_threads(devices: list[str]) -> None:
         with pytest.raises(ReplicaError):
             f(torch.ones(16))
     assert threading.active_count() == count
+
+
+def test_an_in_place_op_on_a_shard_that_requires_grad_says_why() -> None:
+    # torch refuses it (the shards are outputs of one split) naming SplitWithSizes: the note
+    # says where that comes from and what to write instead.
+    x = torch.randn(6, 4) * torch.ones(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="returns multiple views") as caught:
+        fdp.pmap(lambda x: torch.relu_(x), devices=cpus(2))(x)
+    assert any("shards of a mapped input that requires grad are views" in n for n in caught.value.__notes__)
