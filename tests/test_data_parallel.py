@@ -202,8 +202,8 @@ def test_batchnorm_statistics_are_averaged_not_replica_0s() -> None:
     )
 
 
-def test_no_replication_while_parameters_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """nn.DataParallel replicates the module (and broadcasts every parameter) on every forward."""
+def count_replications(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an entry for every placement of the parameters on the devices."""
     calls: list[int] = []
     replicate = _data_parallel._scatter.replicate
 
@@ -212,6 +212,12 @@ def test_no_replication_while_parameters_are_unchanged(monkeypatch: pytest.Monke
         return replicate(tree, devices)
 
     monkeypatch.setattr(_data_parallel._scatter, "replicate", counting)
+    return calls
+
+
+def test_no_replication_while_parameters_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nn.DataParallel replicates the module (and broadcasts every parameter) on every forward."""
+    calls = count_replications(monkeypatch)
     model = fdp.DataParallel(nn.Linear(3, 3), device_ids=cpus(2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 3)
@@ -236,14 +242,7 @@ def test_parameters_whose_data_is_replaced_are_placed_anew(monkeypatch: pytest.M
     """``model.half()``/``.double()`` after wrapping, or ``p.data = t``, swap a parameter's data
     without a change of identity or version counter: on GPUs, replicas whose copies were placed
     before would run on the old values (or dtype)."""
-    calls: list[int] = []
-    replicate = _data_parallel._scatter.replicate
-
-    def counting(tree, devices):
-        calls.append(1)
-        return replicate(tree, devices)
-
-    monkeypatch.setattr(_data_parallel._scatter, "replicate", counting)
+    calls = count_replications(monkeypatch)
     model = fdp.DataParallel(nn.Linear(3, 3), device_ids=cpus(2))
     model._shared_as_is = False  # as on several GPUs: the replicas get copies, placed by version
     x = torch.randn(4, 3)
