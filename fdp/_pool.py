@@ -264,7 +264,9 @@ def _primary_error(
     if same:
         where += f", and the same object by replica(s) {same}"
     _note(error, caller, f"raised by {where}")
-    if isinstance(error, RuntimeError) and "output of a function that returns multiple views" in str(error):
+    if isinstance(error, RuntimeError) and "output of a function that returns multiple views" in (
+        _replica.error_text(error)  # a user's __str__ that fails must not replace the error
+    ):
         # torch's message names SplitWithSizes, which the user never called.
         _note(
             error,

@@ -76,17 +76,23 @@ class _Unprintable(Exception):
         raise AttributeError("no name")
 
 
+class _UnprintableRuntimeError(RuntimeError):  # RuntimeErrors' messages are read for a hint
+    def __str__(self) -> str:
+        raise AttributeError("no name")
+
+
+@pytest.mark.parametrize("kind", [_Unprintable, _UnprintableRuntimeError])
 @pytest.mark.parametrize("axis_name", [None, "i"])
-def test_an_exception_whose_str_fails_is_still_the_one_raised(axis_name: str | None) -> None:
+def test_an_exception_whose_str_fails_is_still_the_one_raised(axis_name: str | None, kind: type) -> None:
     # The notes about the other replicas' failures must not replace the failure reported.
     def f(x):
         if axis_name is not None:
             fdp.psum(x, axis_name)
-        raise _Unprintable()
+        raise kind()
 
-    with pytest.raises(_Unprintable) as info:
+    with pytest.raises(kind) as info:
         fdp.pmap(f, devices=cpus(2), axis_name=axis_name)(torch.zeros(2))
-    assert info.value.__notes__[1].endswith("also failed: _Unprintable: <exception str() failed>")
+    assert info.value.__notes__[1].endswith(f"also failed: {kind.__name__}: <exception str() failed>")
 
 
 def test_interrupt_while_waiting_keeps_the_other_replicas_errors() -> None:
