@@ -313,7 +313,8 @@ def _parameters_and_buffers(
     seen_buffers: set[torch.Tensor] = set()
     for prefix, submodule in module.named_modules():
         state = submodule.__dict__
-        training = training or state["training"]
+        # The attribute, not state["training"]: a scripted module keeps its mode in C++.
+        training = training or submodule.training
         for tensors, seen, slots in (
             (params, seen_params, "_parameters"),
             (buffers, seen_buffers, "_buffers"),

@@ -591,6 +591,22 @@ def test_activation_checkpointing_around_the_wrapper(
         net.scale.grad = None
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_a_scripted_module_on_several_devices_gets_torchs_refusal(training: bool) -> None:
+    """As documented (docs/migrating/from-dataparallel.md): torch refuses a functional call of a
+    scripted module, and says so. Reading its training mode must not fail first (a
+    RecursiveScriptModule keeps no 'training' in its __dict__: KeyError: 'training')."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch.jit is deprecated, and says so
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    scripted.train(training)
+    assert _data_parallel._parameters_and_buffers(scripted)[2] is training
+    with pytest.raises(RuntimeError, match="Jitted modules"):
+        fdp.DataParallel(scripted, device_ids=cpus(2))(torch.randn(4, 3))
+
+
 def test_one_walk_lists_what_named_parameters_and_named_buffers_list() -> None:
     class Tricky(nn.Module):
         def __init__(self) -> None:
