@@ -149,7 +149,7 @@ class DataParallel(nn.Module):
             )
             self._direct._caller = "fdp.DataParallel"
             self._direct.rename_paths = functools.partial(_user_path, 1, None)
-        self._placed: tuple[Any, Any, Any] | None = None  # (key, PerReplica parameters, parameters)
+        self._placed: tuple[Any, Any, Any] | None = None  # (key, PerReplica parameters, (param, data)s)
         # Whether a parameter already on the devices is handed to the replicas as it is: one
         # device, or CPU replicas sharing it (no replica gets a view: see
         # _transfer.alias_shared_leaves). In-place changes then reach the replicas by themselves.
@@ -217,8 +217,9 @@ class DataParallel(nn.Module):
         ``p.data`` is seen by nothing: its version counter is not the parameter's.) A parameter
         that the replicas get as it is (see ``_shared_as_is``) needs none of these: its changes
         are theirs already, and an optimizer step does not make the call place the parameters
-        again. The parameters are kept with the key: the ids of ones replaced since (``model.fc
-        = nn.Linear(...)``) cannot be reused by new ones while compared.
+        again. The parameters and their data are kept with the key: the ids of ones replaced
+        since (``model.fc = nn.Linear(...)``), and the addresses of data swapped since
+        (``model.half(); model.float()``), cannot be reused by new ones while compared.
         """
         home = self._devices[0] if self._shared_as_is else None
         key = (
@@ -236,7 +237,7 @@ class DataParallel(nn.Module):
             name: _state.PerReplica.prefix([row[i] for row in rows], self._devices)
             for i, name in enumerate(params)
         }
-        self._placed = (key, placed, list(params.values()))
+        self._placed = (key, placed, [(p, p.data) for p in params.values()])
         return placed
 
     @torch.no_grad()
