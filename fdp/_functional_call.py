@@ -479,7 +479,9 @@ def stateful_call(
     ``forward``. Here they update fresh copies, which come back as ``new_buffers`` (as do
     buffers that ``forward`` reassigns rather than changes in place); neither
     ``buffers`` nor the module is ever modified. Buffers that ``buffers`` does not name are
-    copied from the module, so ``new_buffers`` always holds every buffer of the module. In a
+    copied from ``params`` where it names them (a dict of both, as for
+    :func:`functional_call`), else from the module, so ``new_buffers`` always holds every
+    buffer of the module. In a
     pmapped training step, each replica gets its own new statistics: keep them per replica, or
     average them with :func:`fdp.pmean` (over the floating-point buffers). Nothing is silently
     taken from replica 0.
@@ -488,7 +490,7 @@ def stateful_call(
         module: the module to call. It is not modified.
         params: parameters by name (may be differentiated with ``torch.func``).
         buffers: buffers by name, as in ``dict(module.named_buffers())``; missing ones are taken
-            from the module.
+            from ``params`` where it names them, else from the module.
         args: the positional arguments for ``forward``. Default: ``()``.
         kwargs: the keyword arguments for ``forward``. Default: ``None``.
 
@@ -503,7 +505,10 @@ def stateful_call(
         >>> int(new["num_batches_tracked"]), int(buffers["num_batches_tracked"])
         (1, 0)
     """
-    everything = {**dict(module.named_buffers()), **buffers}
+    own = dict(module.named_buffers())
+    # A buffer that ``params`` names (a dict of both, as torch.func.functional_call takes) is
+    # the caller's value: taken from the module instead, it would silently replace it.
+    everything = {**own, **{name: params[name] for name in own if name in params}, **buffers}
     new_buffers = {name: b.clone() for name, b in everything.items()}
     given = {**params, **new_buffers}
     output = functional_call(module, given, args, kwargs)

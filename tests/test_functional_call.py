@@ -699,3 +699,20 @@ def test_under_torch_compile_a_graph_break_in_forward_is_refused() -> None:
     finally:
         torch._dynamo.reset()
     assert model.lin.weight is weight
+
+
+def test_stateful_call_uses_buffers_given_in_params() -> None:
+    # A dict of parameters and buffers, as torch.func.functional_call takes: its buffers are
+    # the ones to run with (and to update), not the module's own.
+    bn = nn.BatchNorm1d(3).eval()
+    given = {"running_mean": torch.randn(3), "running_var": torch.rand(3) + 0.5}
+    params = {**dict(bn.named_parameters()), **given}
+    x = torch.randn(6, 3)
+    out, new = fdp.stateful_call(bn, params, {}, (x,))
+    torch.testing.assert_close(out, torch.func.functional_call(bn, params, (x,)))
+    torch.testing.assert_close(new["running_mean"], given["running_mean"])
+    assert new["running_mean"] is not given["running_mean"]  # a copy, as for ``buffers``
+    _, new = fdp.stateful_call(bn.train(), params, {}, (x,))
+    expected = 0.9 * given["running_mean"] + 0.1 * x.mean(0)
+    torch.testing.assert_close(new["running_mean"], expected)
+    assert int(new["num_batches_tracked"]) == 1
