@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = ["functional_call", "stateful_call"]
 
@@ -369,6 +370,7 @@ def functional_call(
         swapped = None if strict or torch.jit.is_tracing() else _swap_in(skeleton, params, tie_weights)
         references = skeleton.references()
         if swapped is None:
+            _own_originals(skeleton.root, params)
             return torch.func.functional_call(
                 skeleton.root, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )
@@ -445,6 +447,43 @@ def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | 
             assert slots is not None, leaf  # the layout, names included, is that of the tie
             slots[leaf] = value
     return swapped
+
+
+def _own_originals(root: nn.Module, params: Any) -> None:
+    """Gives the skeleton its own tensors for the originals of each parametrized tensor that
+    ``params`` names by its parametrized name (``"weight"``, not
+    ``"parametrizations.weight.original"``).
+
+    torch.func.functional_call sets such a tensor through the parametrization's
+    ``right_inverse``, which writes the result into the original in place (``Tensor.set_``).
+    The copies share the module's originals: other threads would read (or crash on) the
+    tensor set, and the module would come back with other storage and a bumped version
+    counter. Fresh tensors that share the originals' data take the write instead; gradients
+    of such a call reach neither the module nor the given tensor (``right_inverse`` runs
+    without grad), as in torch's call.
+    """
+    dicts = [params] if isinstance(params, dict) else params if isinstance(params, Sequence) else ()
+    for given in dicts:
+        if not isinstance(given, dict):
+            continue  # torch refuses it, saying why
+        for name in given:
+            if not isinstance(name, str):
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            owner: Any = root
+            for part in prefix.split(".") if prefix else ():
+                owner = owner.__dict__["_modules"].get(part) if isinstance(owner, nn.Module) else None
+            if not isinstance(owner, nn.Module) or not parametrize.is_parametrized(owner, leaf):
+                continue
+            originals = owner.__dict__["_modules"]["parametrizations"].__dict__["_modules"][leaf]
+            for slots in (originals.__dict__["_parameters"], originals.__dict__["_buffers"]):
+                for key, tensor in slots.items():
+                    if tensor is None:
+                        continue
+                    with torch.no_grad():  # its data, not its version counter (as detach's)
+                        fresh = tensor.new_empty(0).set_(tensor)
+                    is_parameter = isinstance(tensor, nn.Parameter)
+                    slots[key] = nn.Parameter(fresh, tensor.requires_grad) if is_parameter else fresh
 
 
 def _slots_of(owner: nn.Module, leaf: str) -> dict[str, Any] | None:

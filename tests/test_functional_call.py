@@ -716,3 +716,33 @@ def test_stateful_call_uses_buffers_given_in_params() -> None:
     expected = 0.9 * given["running_mean"] + 0.1 * x.mean(0)
     torch.testing.assert_close(new["running_mean"], expected)
     assert int(new["num_batches_tracked"]) == 1
+
+
+def test_a_parametrized_tensor_given_by_its_own_name_never_touches_the_module() -> None:
+    # Given "weight" (not "parametrizations.weight.original"), torch's swap sets the
+    # parametrization's original through right_inverse, in place (Tensor.set_): in the module's
+    # own tensor, which other threads were reading (wrong results, or a crash), unless the
+    # skeleton holds one of its own.
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+        def right_inverse(self, w):
+            return w.triu()
+
+    net = nn.Sequential(nn.Linear(3, 3))
+    parametrize.register_parametrization(net[0], "weight", Symmetric())
+    original = net[0].parametrizations.weight.original
+    before, version = original.detach().clone(), original._version
+    seen_during_the_call: list[bool] = []
+    net[0].register_forward_hook(lambda *_: seen_during_the_call.append(torch.equal(original, before)))
+    weight = torch.randn(3, 3)
+    weight = weight + weight.T
+    x = torch.randn(2, 3)
+    out = fdp.functional_call(net, {"0.weight": weight}, (x,))
+    torch.testing.assert_close(out, x @ weight.T + net[0].bias)
+    assert seen_during_the_call == [True]
+    assert original._version == version and torch.equal(original, before)
+    torch.testing.assert_close(net(x), x @ before.triu().add(before.triu(1).T).T + net[0].bias)

@@ -148,3 +148,30 @@ def test_activation_checkpointing_in_a_functional_call_from_eight_threads() -> N
         )
 
     assert run_in_threads(work) == [True] * THREADS
+
+
+def test_a_parametrized_tensor_given_by_its_own_name_from_eight_threads() -> None:
+    # Each call sets the parametrization's original from its own "weight" (right_inverse):
+    # in the skeleton's own tensor, never in the module's that the other threads read.
+    from torch.nn.utils import parametrize
+
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+        def right_inverse(self, w):
+            return w.triu()
+
+    net = torch.nn.Linear(4, 4)
+    parametrize.register_parametrization(net, "weight", Symmetric())
+    weights = [w + w.T for w in torch.randn(THREADS, 4, 4)]
+    x = torch.randn(3, 4)
+
+    def work(i: int) -> bool:
+        expected = x @ weights[i].T + net.bias
+        return all(
+            torch.allclose(fdp.functional_call(net, {"weight": weights[i]}, (x,)), expected)
+            for _ in range(50)
+        )
+
+    assert run_in_threads(work) == [True] * THREADS
