@@ -53,6 +53,18 @@ class _Skeleton:
                     "torch.compile(lambda params, x: fdp.functional_call(model, params, (x,))), "
                     "or use fdp.pmap(model, compile=True)."
                 )
+            if isinstance(original, torch.jit.ScriptModule):
+                # Its forward runs on its C++ object, which holds its tensors and which every
+                # copy shares: no copy of it can be private (nor made: refresh fails on its
+                # dict wrappers with an AttributeError that names none of this).
+                raise TypeError(
+                    f"fdp.functional_call: {'the module' if not name else repr(name)} is a "
+                    "scripted module (torch.jit.ScriptModule), whose forward runs on the "
+                    "tensors held by its compiled C++ object: a private copy of it cannot be "
+                    "given other tensors, so calls in several threads would see each other's. "
+                    "Use the module before torch.jit.script instead, or call "
+                    "torch.func.functional_call from one thread at a time."
+                )
             copy = object.__new__(type(original))
             ref = weakref.ref(original)
             self._pairs.append((ref, copy))

@@ -492,6 +492,17 @@ def test_a_scripted_module_gets_torchs_refusal() -> None:
     assert ours == theirs and ours[0] is RuntimeError and "Jitted modules" in ours[1]
 
 
+def test_a_scripted_submodule_is_refused_saying_why() -> None:
+    # torch.func.functional_call swaps into its C++ object, which every copy shares: no
+    # private copy of it exists. Refused by name, not with an AttributeError about
+    # 'OrderedDictWrapper'.
+    with warnings.catch_warnings():  # torch.jit is deprecated, and says so
+        warnings.simplefilter("ignore", DeprecationWarning)
+        net = nn.Sequential(nn.ReLU(), nn.Sequential(torch.jit.script(nn.Linear(2, 2))))
+    with pytest.raises(TypeError, match=r"fdp.functional_call: '1.0' is a scripted module"):
+        fdp.functional_call(net, {"1.0.weight": torch.eye(2)}, (torch.randn(3, 2),))
+
+
 class Checkpointed(nn.Module):
     """Activation checkpointing inside forward: backward calls ``self.a`` again."""
 
