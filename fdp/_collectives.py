@@ -375,15 +375,15 @@ class _AllReduce(_Op):
         # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
         # megabyte gradient's sum and its copies for the others keep every replica waiting on
         # one thread; computed by each replica, they run in parallel and need no copies.
-        # (A lone replica's sum gets here only with a weight of 0 or infinity: see
+        # (A lone replica's sum gets here only with a weight of 0: see
         # keeps_lone_value.)
         return self.reduce == "sum" and not group.distributed and all(d.type == "cpu" for d in group.devices)
 
     def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
         # The sum, mean, maximum or minimum of one value is that value; so is its weighted
-        # mean, w * x / w, for a positive finite weight (w / w is exactly 1.0). A weight of 0
-        # takes the exchange, which reports it; so do complex values under pmax/pmin, which
-        # torch cannot order (an error on one replica as on several).
+        # mean, w * x / w, for a positive weight (finite: pmean checks; w / w is exactly 1.0).
+        # A weight of 0 takes the exchange, which reports it; so do complex values under
+        # pmax/pmin, which torch cannot order (an error on one replica as on several).
         if group.distributed:
             return False
         if self.reduce != "sum" and any(dtype.is_complex for _, dtype in packed.keys):
@@ -786,7 +786,8 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         x: a pytree of floating-point (or complex) tensors and numbers; Python ints and bools
             average as floats of the default dtype.
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
-        weight: this replica's weight, or ``None`` for equal weights. Default: ``None``.
+        weight: this replica's weight (finite, non-negative; the replicas' weights must sum to
+            more than 0), or ``None`` for equal weights. Default: ``None``.
 
     Returns:
         A tree like ``x`` holding the means.
@@ -803,8 +804,9 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         packed, results = _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float")
         return packed.unpack(results)
     value = float(weight)
-    if not value >= 0:
-        raise ValueError(f"fdp.pmean: weight must be a non-negative number, got {weight!r}")
+    # Finite too: an infinite weight makes every w / sum(w) inf / inf, a silent NaN result.
+    if not 0 <= value < math.inf:
+        raise ValueError(f"fdp.pmean: weight must be a finite non-negative number, got {weight!r}")
     packed, results = _run(_AllReduce("sum", "weighted_in"), x, axis_name, value, numbers="float")
     return packed.unpack(results)
 

@@ -588,6 +588,14 @@ def test_weights_summing_to_zero() -> None:
         alone(rows())
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_infinite_weight_is_refused_not_a_nan_mean(n: int) -> None:
+    """inf / inf would make the weighted mean NaN, silently (with one replica too)."""
+    f = per_row(lambda x: fdp.pmean(x, "i", weight=float("inf") if fdp.axis_index("i") == 0 else 1.0), n=n)
+    with pytest.raises(ValueError, match=r"weight must be a finite non-negative number, got inf"):
+        f(rows(n))
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_weighted_pmean_of_a_tree_is_the_row_weighted_average(n: int) -> None:
     """Oracle: the mean over all rows, from per-replica means of uneven shards (7 rows over 3
