@@ -866,16 +866,23 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     context = _bound(axis_name, caller)
     n = context.group.global_size
 
+    packed, results = _run(_AllGather(), x, axis_name)
+
     def check_dim(k: int, leaf: torch.Tensor) -> int:
         rank = leaf.dim() if tiled else leaf.dim() + 1
         if not -rank <= dim < rank or (tiled and leaf.dim() == 0):
+            # Named by its key path: in a tree, the shape alone may not say which leaf it is.
             raise ValueError(
                 f"{caller}: dim={dim} is out of range for a {'tiled' if tiled else 'stacked'} "
-                f"gather of a tensor of shape {tuple(leaf.shape)}"
+                f"gather of {packed._path(k)}, of type {_tree.describe(leaf)} ("
+                + (
+                    "a tiled gather concatenates tensors of rank 1 or more"
+                    if rank == 0
+                    else f"a dim in [{-rank}, {rank - 1}] fits"
+                )
+                + ")"
             )
         return dim % rank
-
-    packed, results = _run(_AllGather(), x, axis_name)
 
     def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
         leaf = packed.leaves[k]

@@ -233,6 +233,17 @@ def test_all_gather_bad_dim() -> None:
         per_row(lambda x: fdp.all_gather(x[0], "i", dim=3))(rows())
 
 
+def test_all_gather_bad_dim_names_the_leaf() -> None:
+    with pytest.raises(
+        ValueError, match=re.escape("gather of x['n'], of type float32[] (a tiled gather concatenates")
+    ):
+        per_row(lambda x: fdp.all_gather({"x": x, "n": x.sum()}, "i", dim=1, tiled=True))(rows())
+    with pytest.raises(
+        ValueError, match=re.escape("gather of x[1], of type float32[3] (a dim in [-2, 1] fits)")
+    ):
+        per_row(lambda x: fdp.all_gather((x, x[0]), "i", dim=-3))(rows())
+
+
 # --- ppermute, axis_index, axis_size ------------------------------------------------------------
 
 
