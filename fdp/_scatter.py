@@ -409,7 +409,9 @@ def scatter(
     caller = "fdp.scatter"
     resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
     split = _split.check_split(split, what=f"{caller} split")
-    spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=True)
+    # A list of axes may spell a tuple's (as pmap's in_axes do for its arguments), but a list
+    # tree's axes are a list: read as a tuple, they would match no list at all.
+    spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=not isinstance(tree, list))
     leaves, treespec = _tree.flatten(tree)
     axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree", caller=caller)
     result = scatter_leaves(

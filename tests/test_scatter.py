@@ -36,6 +36,16 @@ def test_scatter_in_axes_and_balanced_split() -> None:
     assert all(s[1] is tree[1] for s in shards)
 
 
+@pytest.mark.parametrize("tree_type", [list, tuple])
+def test_scatter_takes_a_list_of_axes_for_a_list_or_a_tuple(tree_type: type) -> None:
+    """A list of axes is read as a tuple for a tuple (pmap's arguments), as a list for a list."""
+    x, w = torch.arange(4.0), torch.ones(3)
+    shards = fdp.scatter(tree_type([x, w]), cpus(2), in_axes=[0, None])
+    assert [type(s) for s in shards] == [tree_type, tree_type]
+    assert [s[0].tolist() for s in shards] == [[0.0, 1.0], [2.0, 3.0]]
+    assert all(s[1] is w for s in shards)
+
+
 def test_scatter_is_differentiable() -> None:
     x = torch.randn(7, 2, requires_grad=True)
     shards = fdp.scatter(x, cpus(3))
