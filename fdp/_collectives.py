@@ -107,7 +107,9 @@ class _Packed:
     (one pass over the leaves does it, rather than a tree map before packing): ``"as_is"``;
     ``"count"`` (``psum``: booleans count, as int64, as in ``jax.lax.psum`` and ``torch.sum``);
     ``"float"`` (``pmean``: Python ints and bools average as floats of the default dtype, and a
-    tensor that is not floating-point or complex is an error).
+    tensor that is not floating-point or complex is an error); ``"ordered"`` (``pmax``/``pmin``:
+    a complex tensor is an error, named here rather than by torch's kernel, which cannot order
+    complex numbers and names neither the collective nor the leaf).
     """
 
     __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "whole")
@@ -125,6 +127,11 @@ class _Packed:
                     raise TypeError(
                         f"{caller} averages floating-point tensors, but {self._path(k)} is "
                         f"{_tree.describe(leaf)}; use fdp.psum for integer counts"
+                    )
+                if numbers == "ordered" and leaf.is_complex():
+                    raise TypeError(
+                        f"{caller} takes the elementwise extreme of real values, but {self._path(k)} "
+                        f"is {_tree.describe(leaf)}: complex numbers have no order"
                     )
                 if numbers == "count" and leaf.dtype == torch.bool:
                     leaf = self.leaves[k] = leaf.to(torch.int64)
@@ -382,11 +389,9 @@ class _AllReduce(_Op):
     def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
         # The sum, mean, maximum or minimum of one value is that value; so is its weighted
         # mean, w * x / w, for a positive weight (finite: pmean checks; w / w is exactly 1.0).
-        # A weight of 0 takes the exchange, which reports it; so do complex values under
-        # pmax/pmin, which torch cannot order (an error on one replica as on several).
+        # A weight of 0 takes the exchange, which reports it. (Complex values under pmax/pmin
+        # are refused when packed, on one replica as on several.)
         if group.distributed:
-            return False
-        if self.reduce != "sum" and any(dtype.is_complex for _, dtype in packed.keys):
             return False
         return self.scaling in ("none", "mean") or 0.0 < extra < math.inf
 
@@ -821,7 +826,7 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
         >>> largest(torch.tensor([3.0, 1.0, 2.0]))
         tensor([3., 3., 3.])
     """
-    packed, results = _run(_AllReduce("max"), x, axis_name)
+    packed, results = _run(_AllReduce("max"), x, axis_name, numbers="ordered")
     return packed.unpack(results)
 
 
@@ -835,7 +840,7 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
         >>> smallest(torch.tensor([3.0, 1.0, 2.0]))
         tensor([1., 1., 1.])
     """
-    packed, results = _run(_AllReduce("min"), x, axis_name)
+    packed, results = _run(_AllReduce("min"), x, axis_name, numbers="ordered")
     return packed.unpack(results)
 
 

@@ -781,11 +781,18 @@ def test_one_replica_copies_in_one_pass_per_dtype() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_complex_maximum_is_refused_on_one_replica_as_on_several(n: int) -> None:
+@pytest.mark.parametrize("collective", [fdp.pmax, fdp.pmin])
+def test_complex_maximum_is_refused_on_one_replica_as_on_several(n: int, collective: Any) -> None:
     # torch cannot order complex numbers: one replica must not hand the value back where two
-    # would fail.
-    f = fdp.pmap(lambda x: fdp.pmax(x.to(torch.complex64), "i"), axis_name="i", devices=cpus(n))
-    with pytest.raises(RuntimeError, match="ComplexFloat"):
+    # would fail. The error names the collective and the leaf, not torch's kernel.
+    f = fdp.pmap(
+        lambda x: collective({"r": x, "c": x.to(torch.complex64)}, "i"), axis_name="i", devices=cpus(n)
+    )
+    name = collective.__name__
+    with pytest.raises(
+        TypeError,
+        match=re.escape(f"fdp.{name} takes the elementwise extreme of real values, but x['c'] is complex64["),
+    ):
         f(torch.arange(4.0))
 
 
