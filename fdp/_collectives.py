@@ -363,7 +363,10 @@ class _AllReduce(_Op):
                 # the processes split it in proportion to how many each has.
                 ties = (stacked.detach() == total.detach()).sum(0)
                 total = _distributed.all_reduce(total, self.reduce, self.label(), ties)
-            return _distribute(total, devices, buffers)
+            # amax/amin keep their output for the backward: handed to a replica, an in-place
+            # change of that replica's result would fail the backward through the whole call.
+            # Every replica then gets a copy.
+            return _distribute(total, devices, [*buffers, total] if total.requires_grad else buffers)
         weight_sum = self._weight_sum(extras, group)
         if self.scaling == "weighted_in":
             total = _weighted_sum(buffers, [w / weight_sum for w in extras], destination)

@@ -586,6 +586,27 @@ def test_in_place_ops_on_differentiable_results() -> None:
     torch.testing.assert_close(g, torch.tensor([0.0, 2 * N, 0, 0]))
 
 
+@pytest.mark.parametrize("collective", [fdp.pmax, fdp.pmin])
+@pytest.mark.parametrize("tree", ["one leaf", "several leaves"])
+def test_in_place_ops_on_extremes_keep_the_backward_through_the_call(collective: Any, tree: str) -> None:
+    """Every replica changes its pmax/pmin result in place, then backward() on the call's
+    output: the gradient is the one-device one (amax's output, kept for its backward, is no
+    replica's result)."""
+    x = rows().requires_grad_()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        value = x * x if tree == "one leaf" else (x * x, x[:, :1])
+        out = collective(value, "i")
+        out = out if tree == "one leaf" else out[0]
+        return out.mul_(3) * x
+
+    per_row(f)(x).sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    extreme = (expected * expected).amax(0) if collective is fdp.pmax else (expected * expected).amin(0)
+    (3 * extreme * expected).sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+
+
 def test_psum_of_booleans_counts() -> None:
     out = per_row(lambda x: fdp.psum(x > 0, "i") + fdp.psum(True, "i"))(torch.tensor([1.0, -1, 2, 3]))
     assert out.dtype == torch.int64 and out.tolist() == [3 + N] * N
