@@ -27,6 +27,7 @@ Differentiation, two ways:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -918,7 +919,8 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     caller = "fdp.ppermute"
     context = _bound(axis_name, caller)
     try:
-        pairs = tuple((int(src), int(dst)) for src, dst in perm)
+        # operator.index, not int: int() would truncate (0.9, 1) into a send from replica 0.
+        pairs = tuple((operator.index(src), operator.index(dst)) for src, dst in perm)
     except (TypeError, ValueError):
         raise TypeError(
             f"{caller}: perm must be a sequence of (source, destination) pairs, got {perm!r}"

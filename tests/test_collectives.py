@@ -267,6 +267,8 @@ def test_ppermute_destination_without_source_gets_zeros() -> None:
         ([(0, 1), (0, 2)], "sources and destinations in perm must be unique"),
         ([(0, 7)], r"names replica 7, but 4 replicas run"),
         ([(0,)], "perm must be a sequence of"),
+        ([(0.9, 1)], "perm must be a sequence of"),  # not truncated into a send from replica 0
+        ([("0", "1")], "perm must be a sequence of"),
     ],
 )
 def test_ppermute_bad_perm(perm: Any, match: str) -> None:
