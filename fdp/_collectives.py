@@ -796,7 +796,8 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
             average as floats of the default dtype.
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
         weight: this replica's weight (finite, non-negative; the replicas' weights must sum to
-            more than 0), or ``None`` for equal weights. Default: ``None``.
+            more than 0; a number: not differentiated), or ``None`` for equal weights. Default:
+            ``None``.
 
     Returns:
         A tree like ``x`` holding the means.
@@ -812,7 +813,9 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
     if weight is None:
         packed, results = _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float")
         return packed.unpack(results)
-    value = float(weight)
+    # A number, not differentiated (as the row counts it usually is): detached first, so a
+    # weight that requires grad does not make torch warn about the conversion.
+    value = float(weight.detach()) if isinstance(weight, torch.Tensor) else float(weight)
     # Finite too: an infinite weight makes every w / sum(w) inf / inf, a silent NaN result.
     if not 0 <= value < math.inf:
         raise ValueError(f"fdp.pmean: weight must be a finite non-negative number, got {weight!r}")

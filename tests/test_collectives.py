@@ -630,6 +630,19 @@ def test_an_infinite_weight_is_refused_not_a_nan_mean(n: int) -> None:
         f(rows(n))
 
 
+def test_a_weight_that_requires_grad_is_taken_as_a_number_without_a_warning() -> None:
+    # (warnings are errors here: torch warns when a tensor that requires grad becomes a float)
+    w = torch.tensor(2.0, requires_grad=True)
+    f = fdp.pmap(
+        lambda x, w: fdp.pmean(x, "i", weight=w * (1 + fdp.axis_index("i"))),
+        in_axes=(0, None),
+        axis_name="i",
+        devices=cpus(2),
+    )
+    out = f(torch.tensor([[1.0], [4.0]]), w)
+    torch.testing.assert_close(out, torch.tensor([[3.0], [3.0]]))  # (2 * 1 + 4 * 4) / 6
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_weighted_pmean_of_a_tree_is_the_row_weighted_average(n: int) -> None:
     """Oracle: the mean over all rows, from per-replica means of uneven shards (7 rows over 3
