@@ -472,12 +472,12 @@ def _own_originals(root: nn.Module, params: Any) -> None:
     tensor set, and the module would come back with other storage and a bumped version
     counter. Fresh tensors that share the originals' data take the write instead; gradients
     of such a call reach neither the module nor the given tensor (``right_inverse`` runs
-    without grad), as in torch's call.
+    without grad; torch's call would accumulate them in the module's original's ``.grad``).
     """
     dicts = [params] if isinstance(params, dict) else params if isinstance(params, Sequence) else ()
+    dicts = [given for given in dicts if isinstance(given, dict)]  # torch refuses others, saying why
+    names = {name for given in dicts for name in given if isinstance(name, str)}
     for given in dicts:
-        if not isinstance(given, dict):
-            continue  # torch refuses it, saying why
         for name in given:
             if not isinstance(name, str):
                 continue
@@ -486,6 +486,13 @@ def _own_originals(root: nn.Module, params: Any) -> None:
             for part in prefix.split(".") if prefix else ():
                 owner = owner.__dict__["_modules"].get(part) if isinstance(owner, nn.Module) else None
             if not isinstance(owner, nn.Module) or not parametrize.is_parametrized(owner, leaf):
+                continue
+            # Its originals given too (a full state dict with "weight" added; fdp.pmap(module)
+            # completes params so): torch swaps them in, then sets the given one in place, and
+            # puts back (by value) only what the skeleton held. A fresh one there would leave
+            # the given original, often the module's own, holding the parametrized value.
+            originals_prefix = f"{prefix}.parametrizations.{leaf}." if prefix else f"parametrizations.{leaf}."
+            if any(other.startswith(originals_prefix) for other in names):
                 continue
             originals = owner.__dict__["_modules"]["parametrizations"].__dict__["_modules"][leaf]
             for slots in (originals.__dict__["_parameters"], originals.__dict__["_buffers"]):

@@ -757,3 +757,29 @@ def test_a_parametrized_tensor_given_by_its_own_name_never_touches_the_module() 
     assert seen_during_the_call == [True]
     assert original._version == version and torch.equal(original, before)
     torch.testing.assert_close(net(x), x @ before.triu().add(before.triu(1).T).T + net[0].bias)
+
+
+def test_a_parametrized_tensor_given_with_its_originals_leaves_them_as_they_were() -> None:
+    # A full state dict with "weight" added (fdp.pmap(module) completes params so): torch swaps
+    # the given original in, sets it in place through right_inverse, and puts back by value
+    # only what the skeleton held. A fresh original there left the given one, the module's
+    # own here, holding the given weight for good.
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(0, 1)
+
+        def right_inverse(self, w):
+            return w.triu()
+
+    net = nn.Sequential(nn.Linear(3, 3))
+    parametrize.register_parametrization(net[0], "weight", Symmetric())
+    original = net[0].parametrizations.weight.original
+    before = original.detach().clone()
+    weight = torch.randn(3, 3)
+    weight = weight + weight.T
+    x = torch.randn(2, 3)
+    out = fdp.functional_call(net, {**dict(net.named_parameters()), "0.weight": weight}, (x,))
+    torch.testing.assert_close(out, x @ weight.T + net[0].bias)
+    assert torch.equal(original, before)
