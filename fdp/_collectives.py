@@ -435,9 +435,12 @@ class _AllReduce(_Op):
                     torch.tensor(weight_sum, dtype=torch.float64), "sum", f"{self.label()}'s weights"
                 )
             )
-        if not weight_sum > 0:
+        # Finite too: finite weights may sum to inf (1e308 twice), and every w / inf is 0, a
+        # silent mean of zeros.
+        if not 0 < weight_sum < math.inf:
             raise ValueError(
-                f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more than 0"
+                f"fdp.pmean: the replicas' weights sum to {weight_sum}; they must sum to more "
+                "than 0 and to a finite float"
             )
         return weight_sum
 
@@ -796,8 +799,8 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
             average as floats of the default dtype.
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
         weight: this replica's weight (finite, non-negative; the replicas' weights must sum to
-            more than 0; a number: not differentiated), or ``None`` for equal weights. Default:
-            ``None``.
+            more than 0, and to a finite float; a number: not differentiated), or ``None`` for
+            equal weights. Default: ``None``.
 
     Returns:
         A tree like ``x`` holding the means.

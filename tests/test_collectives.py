@@ -630,6 +630,12 @@ def test_an_infinite_weight_is_refused_not_a_nan_mean(n: int) -> None:
         f(rows(n))
 
 
+def test_finite_weights_whose_sum_overflows_are_refused_not_a_mean_of_zeros() -> None:
+    """1e308 twice sums to inf: every w / inf is 0, a silent mean of zeros."""
+    with pytest.raises(ValueError, match=r"weights sum to inf; they must sum to more than 0 and to a finite"):
+        per_row(lambda x: fdp.pmean(x, "i", weight=1e308), n=2)(rows(2))
+
+
 def test_a_weight_that_requires_grad_is_taken_as_a_number_without_a_warning() -> None:
     # (warnings are errors here: torch warns when a tensor that requires grad becomes a float)
     w = torch.tensor(2.0, requires_grad=True)
