@@ -217,9 +217,10 @@ class DataParallel(nn.Module):
         ``p.data`` is seen by nothing: its version counter is not the parameter's.) A parameter
         that the replicas get as it is (see ``_shared_as_is``) needs none of these: its changes
         are theirs already, and an optimizer step does not make the call place the parameters
-        again. The parameters and their data are kept with the key: the ids of ones replaced
-        since (``model.fc = nn.Linear(...)``), and the addresses of data swapped since
-        (``model.half(); model.float()``), cannot be reused by new ones while compared.
+        again. The parameters, and their data where the key holds its address, are kept with
+        the key: the ids of ones replaced since (``model.fc = nn.Linear(...)``), and the
+        addresses of data swapped since (``model.half(); model.float()``), cannot be reused by
+        new ones while compared.
         """
         home = self._devices[0] if self._shared_as_is else None
         key = (
@@ -237,7 +238,10 @@ class DataParallel(nn.Module):
             name: _state.PerReplica.prefix([row[i] for row in rows], self._devices)
             for i, name in enumerate(params)
         }
-        self._placed = (key, placed, [(p, p.data) for p in params.values()])
+        # The data only where the key holds its address: kept elsewhere (a parameter shared as
+        # it is), it would keep the storage that model.half() or .to() swapped out alive for
+        # nothing until the next call.
+        self._placed = (key, placed, [(p, None if p.device == home else p.data) for p in params.values()])
         return placed
 
     @torch.no_grad()

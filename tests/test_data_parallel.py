@@ -257,6 +257,20 @@ def test_parameters_whose_data_is_replaced_are_placed_anew(monkeypatch: pytest.M
     assert len(calls) == 3
 
 
+def test_data_swapped_out_of_parameters_shared_as_they_are_is_not_kept_alive() -> None:
+    """CPU replicas get the parameters as they are (no address in the placement key): their
+    data kept with the key would hold what model.half() (or .to()) swapped out until the next
+    call, for nothing."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = fdp.DataParallel(nn.Linear(64, 64), device_ids=cpus(2))
+    model(torch.randn(4, 64))
+    old = [StorageWeakRef(p.untyped_storage()) for p in model.module.parameters()]
+    model.module.half()
+    gc.collect()
+    assert all(ref.expired() for ref in old)
+
+
 def test_parameters_are_visible_inside_forward() -> None:
     """nn.DataParallel's replicas have empty _parameters: self.parameters() yields nothing."""
     seen: list[int] = []
