@@ -567,7 +567,9 @@ def stateful_call(
     # A buffer that ``params`` names (a dict of both, as torch.func.functional_call takes) is
     # the caller's value: taken from the module instead, it would silently replace it.
     everything = {**own, **{name: params[name] for name in own if name in params}, **buffers}
-    new_buffers = {name: b.clone() for name, b in everything.items()}
+    # (None, given in params to run without that buffer, as torch.func.functional_call takes
+    # it, stays None; a value that is not a tensor reaches torch, which says why it is refused.)
+    new_buffers = {name: b.clone() if isinstance(b, torch.Tensor) else b for name, b in everything.items()}
     given = {**params, **new_buffers}
     output = functional_call(module, given, args, kwargs)
     # A buffer that forward reassigned (self.count = self.count + 1) came back in ``given``.

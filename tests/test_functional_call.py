@@ -729,6 +729,19 @@ def test_stateful_call_uses_buffers_given_in_params() -> None:
     assert int(new["num_batches_tracked"]) == 1
 
 
+def test_stateful_call_runs_without_buffers_given_as_none_in_params() -> None:
+    # As torch.func.functional_call takes them: BatchNorm without running statistics uses the
+    # batch's. (Taken from params, None was cloned: AttributeError.)
+    bn = nn.BatchNorm1d(3).eval()
+    params = {**dict(bn.named_parameters()), "running_mean": None, "running_var": None}
+    x = torch.randn(6, 3)
+    out, new = fdp.stateful_call(bn, params, {}, (x,))
+    torch.testing.assert_close(out, torch.func.functional_call(bn, params, (x,)))
+    assert new["running_mean"] is None and new["running_var"] is None
+    with pytest.raises(TypeError, match="is not an instance of torch.Tensor"):
+        fdp.stateful_call(bn, {**params, "num_batches_tracked": 5}, {}, (x,))
+
+
 def test_a_parametrized_tensor_given_by_its_own_name_never_touches_the_module() -> None:
     # Given "weight" (not "parametrizations.weight.original"), torch's swap sets the
     # parametrization's original through right_inverse, in place (Tensor.set_): in the module's
