@@ -742,11 +742,8 @@ def test_stateful_call_runs_without_buffers_given_as_none_in_params() -> None:
         fdp.stateful_call(bn, {**params, "num_batches_tracked": 5}, {}, (x,))
 
 
-def test_a_parametrized_tensor_given_by_its_own_name_never_touches_the_module() -> None:
-    # Given "weight" (not "parametrizations.weight.original"), torch's swap sets the
-    # parametrization's original through right_inverse, in place (Tensor.set_): in the module's
-    # own tensor, which other threads were reading (wrong results, or a crash), unless the
-    # skeleton holds one of its own.
+def symmetric_linear() -> nn.Sequential:
+    """A Linear(3, 3) in a Sequential, its weight parametrized to be symmetric."""
     from torch.nn.utils import parametrize
 
     class Symmetric(nn.Module):
@@ -758,6 +755,15 @@ def test_a_parametrized_tensor_given_by_its_own_name_never_touches_the_module() 
 
     net = nn.Sequential(nn.Linear(3, 3))
     parametrize.register_parametrization(net[0], "weight", Symmetric())
+    return net
+
+
+def test_a_parametrized_tensor_given_by_its_own_name_never_touches_the_module() -> None:
+    # Given "weight" (not "parametrizations.weight.original"), torch's swap sets the
+    # parametrization's original through right_inverse, in place (Tensor.set_): in the module's
+    # own tensor, which other threads were reading (wrong results, or a crash), unless the
+    # skeleton holds one of its own.
+    net = symmetric_linear()
     original = net[0].parametrizations.weight.original
     before, version = original.detach().clone(), original._version
     seen_during_the_call: list[bool] = []
@@ -777,17 +783,7 @@ def test_a_parametrized_tensor_given_with_its_originals_leaves_them_as_they_were
     # the given original in, sets it in place through right_inverse, and puts back by value
     # only what the skeleton held. A fresh original there left the given one, the module's
     # own here, holding the given weight for good.
-    from torch.nn.utils import parametrize
-
-    class Symmetric(nn.Module):
-        def forward(self, w):
-            return w.triu() + w.triu(1).transpose(0, 1)
-
-        def right_inverse(self, w):
-            return w.triu()
-
-    net = nn.Sequential(nn.Linear(3, 3))
-    parametrize.register_parametrization(net[0], "weight", Symmetric())
+    net = symmetric_linear()
     original = net[0].parametrizations.weight.original
     before = original.detach().clone()
     weight = torch.randn(3, 3)
