@@ -227,7 +227,13 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
                 raise ValueError(
                     f"{caller}: the replicas passed different shapes or dtypes at {paths[k]}: "
                     f"replica {offset} passed {_tree.describe(a)} but replica {offset + r} passed "
-                    f"{_tree.describe(b)}. {_equal_shapes_hint(caller)}"
+                    f"{_tree.describe(b)}. "
+                    + (
+                        _equal_shapes_hint(caller)
+                        if a.shape != b.shape
+                        # Uneven shards change shapes, not dtypes: a branch on the data does.
+                        else "Every replica must pass the same dtype there (cast before the call)."
+                    )
                 )
 
 

@@ -520,6 +520,17 @@ def test_replicas_passing_different_shapes() -> None:
                 torch.zeros(30)
             )
         )
+    # A dtype difference gets no advice about uneven shards.
+    with pytest.raises(
+        ValueError, match=r"replica 1 passed float64\[1\]\. Every replica must pass the same dtype"
+    ):
+        finishes(
+            lambda: fdp.pmap(
+                lambda x: fdp.psum(x if fdp.axis_index("i") == 0 else x.double(), "i"),
+                axis_name="i",
+                devices=cpus(2),
+            )(torch.zeros(2))
+        )
     # The advice fits the collective: a reduction can take a sum first, a gather cannot.
     with pytest.raises(ValueError, match=r"replica 1 passed float32\[1\]\. .*pad per-replica values"):
         finishes(
