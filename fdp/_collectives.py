@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -136,7 +137,11 @@ class _Packed:
                     )
                 if numbers == "count" and leaf.dtype == torch.bool:
                     leaf = self.leaves[k] = leaf.to(torch.int64)
-            elif isinstance(leaf, bool | int | float):
+            elif isinstance(leaf, bool | int | float) or _numpy_number(leaf):
+                if not isinstance(leaf, bool | int | float):
+                    # np.float32, np.int64, np.bool_ (np.float64 is a float already): the
+                    # Python number, so that every NumPy scalar counts as one.
+                    leaf = leaf.item()
                 if numbers == "float":
                     leaf = float(leaf)
                 elif numbers == "count" and isinstance(leaf, bool):
@@ -206,6 +211,13 @@ class _Packed:
                 piece = buffers[b].narrow(-1, offset, numel)
                 out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
         return _tree.unflatten(self.treespec, out)
+
+
+def _numpy_number(leaf: Any) -> bool:
+    """Whether ``leaf`` is a NumPy bool, integer or floating-point scalar (NumPy is looked up
+    only if the program imported it)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(leaf, numpy.generic) and leaf.dtype.kind in "biuf"
 
 
 def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -> None:

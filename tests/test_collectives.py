@@ -174,6 +174,20 @@ def test_pmean_of_python_numbers_is_a_float_mean(weighted: bool) -> None:
     assert {k: v.item() for k, v in out.items()} == {"int": 3.0, "bool": 1.0, "float": 2.5}
 
 
+def test_numpy_scalars_count_as_numbers() -> None:
+    # np.float64 subclasses float and always passed; np.float32, np.int64 and np.bool_ did not.
+    numpy = pytest.importorskip("numpy")
+
+    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
+    def totals(x: torch.Tensor) -> Any:
+        numbers = {"f32": numpy.float32(1.5), "i64": numpy.int64(2), "bool": numpy.bool_(True)}
+        return fdp.psum(numbers, "i"), fdp.pmean(numbers, "i")
+
+    sums, means = totals(torch.zeros(2))
+    assert {k: v.item() for k, v in sums.items()} == {"f32": 3.0, "i64": 4, "bool": 2}
+    assert {k: v.item() for k, v in means.items()} == {"f32": 1.5, "i64": 2.0, "bool": 1.0}
+
+
 def test_psum_of_numbers_counts_replicas() -> None:
     out = fdp.pmap(lambda x: fdp.psum(1, "i") + x * 0, axis_name="i", devices=cpus(8))(torch.zeros(10))
     assert out.tolist() == [5.0] * 10  # 10 rows over 8 devices: 5 replicas
