@@ -67,8 +67,8 @@ class PerReplica:
         return iter(self.values)
 
     def __repr__(self) -> str:
-        devices = ", ".join(str(d) for d in self.devices)
-        return f"PerReplica({len(self.values)} replicas on {devices}: {_tree.describe(self.values[0])})"
+        described = _tree.describe(self.values[0])
+        return f"PerReplica({len(self.values)} replicas on {_names(self.devices)}: {described})"
 
 
 _tree.always_leaf(PerReplica)  # never a container: flattening needs no registry check for it
