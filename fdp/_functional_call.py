@@ -382,7 +382,8 @@ def functional_call(
         swapped = None if strict or torch.jit.is_tracing() else _swap_in(skeleton, params, tie_weights)
         references = skeleton.references()
         if swapped is None:
-            _own_originals(skeleton.root, params)
+            if skeleton.by_path is None:  # (worked out, it says the tree has no parametrization)
+                _own_originals(skeleton.root, params)
             return torch.func.functional_call(
                 skeleton.root, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )
