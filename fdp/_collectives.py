@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _distributed, _replica, _streams, _transfer, _tree
+from . import _distributed, _replica, _split, _streams, _transfer, _tree
 from ._compile import eager_under_compile, never_compiled
 
 __all__ = [
@@ -241,25 +241,14 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
                     f"replica {offset} passed {_tree.describe(a)} but replica {offset + r} passed "
                     f"{_tree.describe(b)}. "
                     + (
-                        _equal_shapes_hint(caller)
+                        _split.equal_shapes_hint(
+                            reduction=caller in ("fdp.psum", "fdp.pmean", "fdp.pmax", "fdp.pmin")
+                        )
                         if a.shape != b.shape
                         # Uneven shards change shapes, not dtypes: a branch on the data does.
                         else "Every replica must pass the same dtype there (cast before the call)."
                     )
                 )
-
-
-def _equal_shapes_hint(caller: str) -> str:
-    """What to do about per-replica values of different shapes (uneven shards, mostly)."""
-    if caller in ("fdp.psum", "fdp.pmean", "fdp.pmax", "fdp.pmin"):
-        return (
-            "With uneven shards (split='chunk'), reduce per-replica values to equal shapes "
-            "first (e.g. a sum, with fdp.pmean's weight= for means)."
-        )
-    return (
-        "With uneven shards (split='chunk'), pad per-replica values to one shape first, or give "
-        "every replica as many rows (a batch that divides evenly)."
-    )
 
 
 # --- the operations ----------------------------------------------------------------------------

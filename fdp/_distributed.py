@@ -686,12 +686,12 @@ def _disagreement(rows: list[bytes]) -> str:
         passed = ", ".join(f"{tensor} on {_ranks(rs)}" for (*_, tensor, _), rs in zip(entries, ranks))
         return (
             f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
-            f"pmapped call #{call}): {passed}. Every process must pass the same shapes and dtypes; "
+            f"pmapped call #{call}): {passed}. Every process must pass the same shapes and dtypes. "
             + (
-                "with uneven shares, reduce per-replica values to equal shapes first (e.g. a sum, "
-                "with fdp.pmean's weight= for means)."
-                if "all_reduce" in detail
-                else "with uneven shares, pad per-replica values to one shape first."
+                _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
+                if len({tensor.partition("[")[2] for (*_, tensor, _) in entries}) > 1
+                # Uneven batches change shapes, not dtypes: a branch on the data does.
+                else "Cast to one dtype before the call."
             )
         )
 

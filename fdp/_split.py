@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-__all__ = ["SplitRule", "SPLIT_RULES", "shard_sizes", "check_split"]
+__all__ = ["SplitRule", "SPLIT_RULES", "shard_sizes", "check_split", "equal_shapes_hint"]
 
 SplitRule = Literal["chunk", "balanced"]
 SPLIT_RULES: tuple[str, ...] = ("chunk", "balanced")
@@ -44,3 +44,18 @@ def shard_sizes(size: int, n: int, split: SplitRule) -> tuple[int, ...]:
     replicas = min(n, size)
     base, extra = divmod(size, replicas)
     return (base + 1,) * extra + (base,) * (replicas - extra)
+
+
+def equal_shapes_hint(*, reduction: bool, among: str = "shards (split='chunk')") -> str:
+    """What to do about per-replica (or per-process) values of different shapes given to a
+    collective: mostly the work of uneven ``among``, which a reduction can fold away (a sum,
+    weighted for means) and a gather cannot (padding, or a batch that divides evenly)."""
+    if reduction:
+        return (
+            f"With uneven {among}, reduce per-replica values to equal shapes first "
+            "(e.g. a sum, with fdp.pmean's weight= for means)."
+        )
+    return (
+        f"With uneven {among}, pad per-replica values to one shape first, or give every replica "
+        "as many rows (a batch that divides evenly)."
+    )

@@ -212,6 +212,11 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         assert "rank 1 called fdp.pmean" in r["mean"]["message"], r["mean"]
         assert "float32[3] on rank 0, float32[4] on rank 1" in r["shape"]["message"], r["shape"]
         assert "float32[2] on rank 0, float64[2] on rank 1" in r["dtype"]["message"], r["dtype"]
+        # The advice fits the mismatch: shapes (uneven batches) fold away in a reduction,
+        # a dtype mismatch is not the batches' doing.
+        assert "uneven batches between processes, reduce" in r["shape"]["message"], r["shape"]
+        assert "Cast to one dtype" in r["dtype"]["message"], r["dtype"]
+        assert "uneven" not in r["dtype"]["message"], r["dtype"]
         assert "float32[5000] on rank 0, float32[5001] on rank 1" in r["large"]["message"], r["large"]
     skipped = results[1]["skipped"]["message"]
     assert "rank 0 called fdp.psum" in skipped and "rank 1 started pmapped call" in skipped, skipped
