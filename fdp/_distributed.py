@@ -710,6 +710,12 @@ def _disagreement(rows: list[bytes]) -> str:
     )
 
 
+def _travels(data: torch.Tensor, world: int) -> bool:
+    """Whether ``data`` rides along in the exchange that checks its collective (a small CPU
+    tensor), and is combined from there rather than by a collective of its own."""
+    return data.device.type == "cpu" and data.numel() * data.element_size() <= _slot_bytes(world)
+
+
 def _agree(
     state: _State, entry: str, payload: int | None, what: str, data: torch.Tensor | None
 ) -> tuple[list[int], list[torch.Tensor] | None]:
@@ -718,7 +724,7 @@ def _agree(
     is a CPU tensor small enough to travel along; a ValueError naming what each called
     otherwise, on every rank alike."""
     slot = _slot_bytes(state.world_size)
-    carried = data is not None and data.device.type == "cpu" and data.numel() * data.element_size() <= slot
+    carried = data is not None and _travels(data, state.world_size)
     mine = _encode(entry, payload or 0, data if carried else None, slot)
     parts = [torch.empty_like(mine) for _ in range(state.world_size)]
     try:
@@ -828,8 +834,13 @@ def _reduce(tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
     # Whether this process's value holds a NaN rides in the check's exchange: gloo's (and
     # NCCL's) MAX and MIN keep whichever operand comes first where one is NaN, so the result
     # would hang on rank order, where torch.maximum, the local replicas' amax and the small
-    # tensors below all give NaN.
-    nan = op != "sum" and result.is_floating_point() and bool(result.isnan().any())
+    # tensors below all give NaN. (A small tensor that travels with the check needs no flag.)
+    nan = (
+        op != "sum"
+        and result.is_floating_point()
+        and not _travels(result, world_size())
+        and bool(result.isnan().any())
+    )
     flags, carried = _collective(name, f"an all_reduce ({op})", result, issues, payload=int(nan))
     if carried is None and any(flags):
         mask = _reduce(tensor.detach().isnan().to(torch.uint8), "max", name)  # (no NaN in a mask)
