@@ -69,6 +69,15 @@ def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
 def axis_index(axis_name: Hashable) -> int:
     """This replica's index along the mapped axis: ``0 <= axis_index < axis_size``.
 
+    Across processes (:mod:`fdp.distributed`), the index counts the replicas of every process
+    in rank order.
+
+    Args:
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+
     Examples:
         >>> import torch, fdp
         >>> f = fdp.pmap(lambda x: x * 0 + fdp.axis_index("i"), axis_name="i", devices=["cpu"] * 3)
@@ -84,6 +93,12 @@ def axis_size(axis_name: Hashable) -> int:
     """The number of replicas that run along the mapped axis (not the number of devices).
 
     With ``split="chunk"``, a batch of 10 on 8 devices runs 5 replicas, and ``axis_size`` is 5.
+
+    Args:
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
 
     Examples:
         >>> import torch, fdp
@@ -837,6 +852,21 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
 def pmax(x: Any, axis_name: Hashable) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
+    A NaN on any replica gives NaN there, as ``torch.maximum`` does. The gradient goes to every
+    replica holding the maximum, in equal parts where several do (see ``docs/collectives.md``).
+
+    Args:
+        x: a pytree of real tensors (numbers are taken as 0-dim tensors).
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+
+    Returns:
+        A tree like ``x`` holding the maximums, each leaf on the device of ``x``'s leaf.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+        TypeError: a complex leaf (complex numbers have no order).
+        ValueError: the replicas passed different structures, shapes or dtypes.
+
     Examples:
         >>> import torch, fdp
         >>> largest = fdp.pmap(lambda x: fdp.pmax(x, "i"), axis_name="i", devices=["cpu"] * 3)
@@ -850,6 +880,21 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
 @eager_under_compile
 def pmin(x: Any, axis_name: Hashable) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
+
+    A NaN on any replica gives NaN there, as ``torch.minimum`` does. The gradient goes to every
+    replica holding the minimum, in equal parts where several do (see ``docs/collectives.md``).
+
+    Args:
+        x: a pytree of real tensors (numbers are taken as 0-dim tensors).
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+
+    Returns:
+        A tree like ``x`` holding the minimums, each leaf on the device of ``x``'s leaf.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+        TypeError: a complex leaf (complex numbers have no order).
+        ValueError: the replicas passed different structures, shapes or dtypes.
 
     Examples:
         >>> import torch, fdp
@@ -921,6 +966,21 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
 
     A replica that is no pair's destination gets zeros, as in ``jax.lax.ppermute``. Sources must
     be distinct, and so must destinations.
+
+    Args:
+        x: a pytree of tensors, of equal shapes on every replica.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        perm: ``(source, destination)`` pairs of replica indices (integers, each below
+            :func:`fdp.axis_size`).
+
+    Returns:
+        A tree like ``x``: the ``x`` of the replica that sends to this one, or zeros.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+        TypeError: ``perm`` is not a sequence of integer pairs.
+        ValueError: a repeated source or destination, an index out of range, or replicas that
+            passed different structures, shapes or dtypes.
 
     Examples:
         >>> import torch, fdp

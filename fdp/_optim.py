@@ -512,6 +512,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     As ``torch.nn.utils.clip_grad_norm_`` (norm type 2): the scale is
     ``min(1, max_norm / (total_norm + 1e-6))``.
 
+    Args:
+        max_norm: the largest global norm let through, positive.
+
+    Raises:
+        ValueError: ``max_norm`` is not positive.
+
     Examples:
         >>> import torch
         >>> from fdp import optim
@@ -542,9 +548,18 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order; the state is the tuple of their states.
 
+    Args:
+        *transforms: the transformations, first applied first (e.g. clipping before the
+            optimizer).
+
     Examples:
+        >>> import torch
         >>> from fdp import optim
-        >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+        >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.5))
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([3.0, 4.0])}, opt.init(params), params)
+        >>> optim.apply_updates(params, updates)  # clipped to norm 1, then a step of 0.5
+        {'w': tensor([-0.3000, -0.4000])}
     """
 
     def init(params: Tree) -> tuple[Any, ...]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 import zlib
 from collections.abc import Hashable, Iterator
@@ -57,16 +58,40 @@ def fold_in(seed: int, data: int) -> int:
     Different ``(seed, data)`` pairs give unrelated seeds (``fold_in(s, 1)`` has nothing to do
     with ``fold_in(s + 1, 0)``); the result is a valid ``torch.manual_seed`` value.
 
+    Args:
+        seed: an integer (any size: it is taken modulo 2**64, as ``torch.manual_seed`` takes it).
+        data: an integer to fold in.
+
+    Returns:
+        An integer in ``[0, 2**63)``.
+
+    Raises:
+        TypeError: ``seed`` or ``data`` is not an integer (a float would be truncated: two
+            different values would fold in alike).
+
     Examples:
         >>> import fdp
         >>> fdp.fold_in(0, 1) == fdp.fold_in(0, 1) != fdp.fold_in(1, 0)
         True
     """
-    return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(data) & _MASK64)) >> 1
+    try:
+        seed, data = operator.index(seed), operator.index(data)
+    except TypeError:
+        raise TypeError(
+            f"fdp.fold_in: seed and data must be integers, got seed={seed!r} and data={data!r}"
+        ) from None
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (data & _MASK64)) >> 1
 
 
 def replica_seed(seed: int, axis_name: Hashable) -> int:
     """This replica's seed: ``fold_in(seed, axis_index(axis_name))``.
+
+    Args:
+        seed: an integer, the same on every replica.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
 
     Examples:
         >>> import torch, fdp
@@ -262,7 +287,12 @@ def rng_scope(seed: int) -> contextlib.AbstractContextManager[None]:
         >>> torch.equal(a, b)
         True
     """
-    return _entered(_RngMode(int(seed)))
+    try:
+        seed = operator.index(seed)
+    except TypeError:
+        # int() would truncate: rng_scope(0.5) and rng_scope(0.7) would draw alike.
+        raise TypeError(f"fdp.rng_scope: seed must be an integer, got {seed!r}") from None
+    return _entered(_RngMode(seed))
 
 
 # Traced, entering the scope reaches TorchDispatchMode.__enter__, whose C++ builtin dynamo cannot

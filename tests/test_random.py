@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -239,6 +240,24 @@ def test_fold_in() -> None:
     assert fdp.fold_in(0, 1) == fdp.fold_in(0, 1)
     assert len({fdp.fold_in(s, d) for s in range(20) for d in range(20)}) == 400
     assert all(0 <= fdp.fold_in(s, 3) < 2**63 for s in (-1, 0, 2**70))
+    # Integers of any kind fold in as their value.
+    assert fdp.fold_in(np.int64(4), torch.tensor(2)) == fdp.fold_in(4, 2)
+
+
+@pytest.mark.parametrize("seed, data", [(0.5, 1), (0, 1.5), (1.0, 0)])
+def test_fold_in_refuses_a_float_rather_than_truncating_it(seed: object, data: object) -> None:
+    # int(0.5) == int(0.7) == 0: truncated, different seeds would draw alike, silently.
+    with pytest.raises(TypeError, match=r"fdp.fold_in: seed and data must be integers, got seed=.*"):
+        fdp.fold_in(seed, data)  # type: ignore[arg-type]
+
+
+def test_rng_scope_refuses_a_float_seed() -> None:
+    with pytest.raises(TypeError, match=r"fdp.rng_scope: seed must be an integer, got 0.5"):
+        fdp.rng_scope(0.5)  # type: ignore[arg-type]
+    with fdp.rng_scope(np.int64(3)):
+        a = torch.rand(3)
+    with fdp.rng_scope(3):
+        assert torch.equal(torch.rand(3), a)
 
 
 def test_replica_seeds_differ_and_repeat() -> None:
