@@ -10,9 +10,11 @@ The public API is re-exported here from private modules, one job each:
   :func:`ppermute`, :func:`axis_index`, :func:`axis_size` (``_collectives``): collectives inside
   mapped functions.
 * :func:`functional_call` (``_functional_call``): a thread-safe ``torch.func.functional_call``.
+* :class:`SyncBatchNorm` (``_batch_norm``): batch normalization over the replicas of an axis.
 """
 
 from . import distributed, optim
+from ._batch_norm import SyncBatchNorm
 from ._collectives import all_gather, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum
 from ._data_parallel import DataParallel
 from ._functional_call import functional_call, stateful_call
@@ -32,6 +34,7 @@ __all__ = [
     "PER_REPLICA",
     "PerReplica",
     "Pmapped",
+    "SyncBatchNorm",
     "all_gather",
     "axis_index",
     "axis_size",

@@ -22,7 +22,7 @@ checked). On one device that holds every parameter and buffer, the module itself
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -60,6 +60,9 @@ class DataParallel(nn.Module):
             or ``"replica0"`` (``nn.DataParallel``'s behaviour). Default: ``"average"``.
         split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
             ``"chunk"``.
+        axis_name: the name the replicas run under, for collectives inside the module:
+            :class:`fdp.SyncBatchNorm` layers of this ``axis_name`` then normalize over the
+            whole batch. Default: ``None``, no collectives.
 
     Examples:
         >>> import torch, fdp
@@ -79,6 +82,7 @@ class DataParallel(nn.Module):
         *,
         buffers: Literal["average", "replica0"] = "average",
         split: Literal["chunk", "balanced"] = "chunk",
+        axis_name: Hashable | None = None,
     ) -> None:
         super().__init__()
         # Checked here, in the wrapper's own words: the pmapped function beneath would name
@@ -114,6 +118,7 @@ class DataParallel(nn.Module):
         self.output_device = _as_device_id(output)
         self.dim = dim
         self.buffers_mode = buffers
+        self.axis_name = axis_name
         self._devices = devices
         # A module-level function, not a bound method: the wrapper must not refer to itself
         # (a reference cycle would keep every replaced model alive until the next gc run).
@@ -124,6 +129,7 @@ class DataParallel(nn.Module):
             devices=list(devices),
             output_device=output,
             split=split,
+            axis_name=axis_name,
         )
         self._mapped._caller = "fdp.DataParallel"
         # The user's inputs are the pmapped function's args[5] (positional) and args[6] (keyword).
@@ -146,6 +152,7 @@ class DataParallel(nn.Module):
                 devices=list(devices),
                 output_device=output,
                 split=split,
+                axis_name=axis_name,
             )
             self._direct._caller = "fdp.DataParallel"
             self._direct.rename_paths = functools.partial(_user_path, 1, None)

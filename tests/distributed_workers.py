@@ -54,6 +54,9 @@ def collectives(rank: int, world: int, folder: str) -> None:
                 shard
             ).tolist(),
         }
+        # Batch norm over the 4 replicas of both processes: the whole batch's statistics.
+        norm = fdp.SyncBatchNorm(2, axis_name="i", track_running_stats=False)
+        out["sync_batch_norm"] = f(lambda x: norm(torch.cat([x, x.square()], 1)))(shard).tolist()
         # Outer backward through a collective: the full batch's gradient.
         w = torch.tensor(2.0, requires_grad=True)
         total = fdp.pmap(

@@ -67,6 +67,9 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
     assert rank0["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(1, 5)))
     assert rank1["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(5, 9)))
     assert rank0["ppermute"] == [[7.0], [1.0]] and rank1["ppermute"] == [[3.0], [5.0]]
+    x = torch.arange(1.0, 9.0)[:, None]
+    whole = torch.nn.functional.batch_norm(torch.cat([x, x.square()], 1), None, None, training=True)
+    torch.testing.assert_close(torch.tensor(rank0["sync_batch_norm"] + rank1["sync_batch_norm"]), whole)
     assert rank0["inner_grad"] == [4 * 2 * v for v in (1.0, 2, 3, 4)]  # psum's transpose: 4 replicas
     expected = []
     for r in range(4):

@@ -1,0 +1,241 @@
+"""``fdp.SyncBatchNorm``: batch normalization whose statistics span the replicas of a mapped axis.
+
+A ``BatchNorm`` layer in a pmapped function normalizes each shard with the shard's own mean and
+variance, so the outputs, gradients and running statistics differ from one device's on the
+whole batch (as with ``nn.DataParallel``). This layer computes them over every replica of an
+``axis_name`` (across processes too, under :mod:`fdp.distributed`), as ``nn.SyncBatchNorm``
+does over a process group and ``flax.linen.BatchNorm(axis_name=...)`` over a ``jax.pmap`` axis:
+the whole batch's statistics, to float rounding.
+
+Each replica contributes its row count, mean and sum of squared deviations per channel; one
+``fdp.all_gather`` hands every replica all of them, and each combines them alike (Chan et al.'s
+pairwise formula, which keeps the variance accurate where ``E[x²] - E[x]²`` would cancel). The
+gather is differentiable, so autograd gives every replica its share of the exact gradient of
+the whole batch's normalization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import _collectives, _replica
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization over the whole batch of a pmapped call: ``nn.SyncBatchNorm`` for
+    :func:`fdp.pmap`.
+
+    In training mode, inside a function mapped with ``axis_name``, the mean and variance are
+    those of every replica's rows together (uneven shards weighted by their sizes), and so are
+    the updates of the running statistics: outputs, gradients and running statistics are the
+    one-device ones on the whole batch, to float rounding. Every replica must run the layer, the
+    same number of times, as with any collective. Half-precision inputs get float32 statistics,
+    as ``nn.BatchNorm`` computes them.
+
+    Outside any mapped function (a plain call on one device) it is an ordinary batch norm, as
+    ``nn.SyncBatchNorm`` is without a process group; in evaluation mode it uses the running
+    statistics and exchanges nothing. Inside a function mapped with another ``axis_name``, a
+    call in training mode raises ``NameError``.
+
+    It takes inputs of shape ``(N, C, *)``, as every ``BatchNorm*d`` does. The running
+    statistics change in place, as ``nn.BatchNorm``'s do: run the module with
+    :func:`fdp.stateful_call` in a pmapped function (the replicas' updated statistics agree), or
+    through :class:`fdp.DataParallel` with the same ``axis_name``.
+
+    Args:
+        num_features: ``C``, the number of channels.
+        eps: added to the variance for stability. Default: ``1e-5``.
+        momentum: the running statistics' update factor, or ``None`` for a cumulative
+            average. Default: ``0.1``.
+        affine: learnable per-channel weight and bias. Default: ``True``.
+        track_running_stats: keep running statistics. Default: ``True``.
+        device: where the parameters and buffers are made. Default: ``None``, torch's default.
+        dtype: their dtype. Default: ``None``, torch's default.
+        axis_name: the ``axis_name`` of the :func:`fdp.pmap` (or :class:`fdp.DataParallel`)
+            whose replicas share their statistics. Keyword-only, required.
+        bias: with ``affine``, a learnable bias. Default: ``True``.
+
+    Examples:
+        >>> import torch, fdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        >>> model = fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name="batch")
+        >>> params = dict(model.named_parameters())
+        >>> buffers = dict(model.named_buffers())
+        >>> @fdp.pmap(in_axes=(None, None, 0), out_axes=(0, None), axis_name="batch",
+        ...           devices=["cpu", "cpu"])
+        ... def forward(params, buffers, x):
+        ...     return fdp.stateful_call(model, params, buffers, (x,))
+        >>> x = torch.randn(10, 3)
+        >>> y, new_buffers = forward(params, buffers, x)
+        >>> one_device = torch.nn.functional.batch_norm(
+        ...     model[0](x), None, None, params["1.weight"], params["1.bias"], training=True)
+        >>> torch.allclose(y, one_device, atol=1e-6)  # the whole batch's statistics
+        True
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        axis_name: Hashable,
+        bias: bool = True,
+    ) -> None:
+        if axis_name is None:
+            raise ValueError(
+                "fdp.SyncBatchNorm: axis_name must name the pmapped axis whose replicas share "
+                "their statistics (the axis_name given to fdp.pmap), got None"
+            )
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
+        )
+        self.axis_name = axis_name
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, axis_name={self.axis_name!r}"
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"fdp.SyncBatchNorm: expected an input of shape (N, C, *), of 2 or more dims, "
+                f"got {input.dim()}D input of shape {tuple(input.shape)}"
+            )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        # The running statistics' update factor and batch counter, as nn.BatchNorm has them.
+        factor = 0.0 if self.momentum is None else self.momentum
+        tracking = self.training and self.track_running_stats
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
+        if not (batch_statistics and _replica.current() is not None):
+            # Running statistics, or one device's batch: no replica to share with.
+            return F.batch_norm(
+                input,
+                self.running_mean if not self.training or self.track_running_stats else None,
+                self.running_var if not self.training or self.track_running_stats else None,
+                self.weight,
+                self.bias,
+                batch_statistics,
+                factor,
+                self.eps,
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"fdp.SyncBatchNorm: expected {self.num_features} channels (dim 1) in an input "
+                f"of shape (N, C, *), got shape {tuple(input.shape)}"
+            )
+        x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+        mean, var, count = self._whole_batch_statistics(x)
+        if tracking and self.running_mean is not None and self.running_var is not None:
+            with torch.no_grad():
+                # The unbiased variance, as nn.BatchNorm keeps; count > 1 was checked.
+                unbiased = var * (count / (count - 1))
+                self.running_mean.copy_(mean * factor + self.running_mean * (1 - factor))
+                self.running_var.copy_(unbiased * factor + self.running_var * (1 - factor))
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        scale = torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight
+        # x - mean first: where the mean is large next to the spread, x * scale - mean * scale
+        # would lose the difference to rounding.
+        output = (x - mean.view(shape)) * scale.view(shape)
+        if self.bias is not None:
+            output = output + self.bias.view(shape)
+        return output.to(input.dtype)
+
+    def _whole_batch_statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The mean and (biased) variance per channel of every replica's rows of ``x``
+        together, and their number per channel (a 0-dim tensor)."""
+        channels = x.shape[1]
+        rows = x.numel() // channels if channels else 0
+        if rows:
+            var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
+        else:  # an empty shard adds nothing (var_mean would give NaN, and 0 * NaN is NaN)
+            var = mean = x.new_zeros(channels)
+        # One exchange: (count, mean, sum of squared deviations) from every replica.
+        mine = torch.cat([x.new_full((1,), float(rows)), mean, var * rows])
+        every = _collectives.all_gather(mine, self.axis_name)  # (replicas, 1 + 2C)
+        counts, means, deviations = every[:, :1], every[:, 1 : 1 + channels], every[:, 1 + channels :]
+        count = counts.sum()
+        # Only a replica with at most one row of its own can see too few in all: the host
+        # reads the count there alone (on a GPU the read waits for the device).
+        if rows <= 1 and count.item() <= 1:
+            raise ValueError(
+                f"fdp.SyncBatchNorm: expected more than 1 value per channel in training mode over "
+                f"the replicas of axis {self.axis_name!r}, got {int(count.item())} in all (an "
+                f"input of shape {tuple(x.shape)} on {every.shape[0]} replica(s))"
+            )
+        whole_mean = (counts * means).sum(0) / count
+        # Chan et al.: the replicas' own squared deviations plus those of their means.
+        whole_var = (deviations.sum(0) + (counts * (means - whole_mean) ** 2).sum(0)) / count
+        return whole_mean, whole_var, count.detach()
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, axis_name: Hashable) -> nn.Module:
+        """``module`` with every ``BatchNorm*d`` (and ``nn.SyncBatchNorm``) layer replaced by a
+        :class:`fdp.SyncBatchNorm` over ``axis_name``, as ``nn.SyncBatchNorm.convert_sync_batchnorm``
+        does: the new layers hold the same parameter and buffer objects, so ``state_dict`` keys
+        and values are unchanged.
+
+        Args:
+            module: the module to convert (converted in place, children first; a batch-norm
+                module itself is returned as a new layer).
+            axis_name: the ``axis_name`` of the pmapped function the module runs in.
+
+        Returns:
+            The converted module.
+
+        Raises:
+            ValueError: a lazy batch norm whose parameters are not yet initialized (run the
+                module once first).
+
+        Examples:
+            >>> import torch, fdp
+            >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+            >>> fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name="batch")[1]
+            SyncBatchNorm(8, eps=1e-05, momentum=0.1, ..., axis_name='batch')
+        """
+        converted = module
+        if isinstance(module, _BatchNorm):
+            if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+                raise ValueError(
+                    f"fdp.SyncBatchNorm.convert_sync_batchnorm: {type(module).__name__} has not "
+                    "inferred its number of features yet: run the module once before converting it"
+                )
+            converted = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                axis_name=axis_name,
+                bias=module.bias is not None,
+            )
+            # The same objects, not copies: optimizers and state_dicts made before still hold.
+            converted.weight = module.weight
+            converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, axis_name))
+        return converted

@@ -1,0 +1,256 @@
+"""fdp.SyncBatchNorm: against nn.BatchNorm on the whole batch on one device (outputs, gradients,
+running statistics), through fdp.pmap with stateful_call and through fdp.DataParallel."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from helpers import cpus
+from torch import nn
+
+import fdp
+
+
+def make_model(norm: type[nn.Module] = nn.BatchNorm1d, **options: Any) -> nn.Module:
+    torch.manual_seed(0)
+    conv = {nn.BatchNorm1d: nn.Conv1d, nn.BatchNorm2d: nn.Conv2d, nn.BatchNorm3d: nn.Conv3d}[norm]
+    model = nn.Sequential(conv(3, 4, 1), norm(4, **options), nn.ReLU(), conv(4, 2, 1))
+    with torch.no_grad():  # weights and running statistics away from their defaults
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                if m.weight is not None:
+                    m.weight.uniform_(0.5, 1.5)
+                if m.bias is not None:
+                    m.bias.uniform_(-0.5, 0.5)
+                if m.running_mean is not None:
+                    m.running_mean.uniform_(-1, 1)
+                    m.running_var.uniform_(0.5, 2)
+    return model
+
+
+def input_for(norm: type[nn.Module], rows: int) -> torch.Tensor:
+    spatial = {nn.BatchNorm1d: (5,), nn.BatchNorm2d: (3, 2), nn.BatchNorm3d: (2, 2, 2)}[norm]
+    torch.manual_seed(1)
+    # A mean far from 0 next to the spread: a naive E[x^2] - E[x]^2 would lose the variance.
+    return torch.randn(rows, 3, *spatial, dtype=torch.float64) * 0.1 + 30.0
+
+
+def one_device_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
+    """The oracle: the module on the whole batch, its input and parameter gradients, its buffers."""
+    model = copy.deepcopy(model)
+    x = x.clone().requires_grad_()
+    y = model(x)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    grads = torch.autograd.grad((y * weights).sum(), [x, *model.parameters()])
+    names = ["x", *(n for n, _ in model.named_parameters())]
+    return y.detach(), dict(zip(names, grads)), dict(model.named_buffers())
+
+
+def pmapped_step(
+    model: nn.Module, x: torch.Tensor, devices: list[str], split: str = "chunk"
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    params = {k: v.detach().requires_grad_() for k, v in synced.named_parameters()}
+    buffers = {k: v.clone() for k, v in synced.named_buffers()}
+
+    @fdp.pmap(
+        in_axes=(None, None, 0),
+        out_axes=(0, fdp.PER_REPLICA),
+        axis_name="batch",
+        devices=devices,
+        split=split,
+    )
+    def step(params: Any, buffers: Any, x: torch.Tensor) -> Any:
+        return fdp.stateful_call(synced, params, buffers, (x,))
+
+    x = x.clone().requires_grad_()
+    y, new_buffers = step(params, buffers, x)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    grads = torch.autograd.grad((y * weights).sum(), [x, *params.values()])
+    return y.detach(), dict(zip(["x", *params], grads)), new_buffers
+
+
+def assert_buffers_match(per_replica: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
+    assert set(per_replica) == set(expected)
+    for name, value in per_replica.items():
+        for replica in value.values:  # every replica holds the whole batch's statistics
+            torch.testing.assert_close(replica, expected[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "norm, rows, devices, split",
+    [
+        (nn.BatchNorm1d, 30, 2, "chunk"),
+        (nn.BatchNorm1d, 30, 8, "chunk"),  # shards of 4,4,4,4,4,4,4,2: weighted by their sizes
+        (nn.BatchNorm2d, 10, 3, "balanced"),  # 4,3,3
+        (nn.BatchNorm3d, 9, 8, "chunk"),  # 2,2,2,2,1: a one-row shard
+        (nn.BatchNorm1d, 7, 1, "chunk"),  # a lone replica
+    ],
+)
+def test_matches_batch_norm_on_the_whole_batch(
+    norm: type[nn.Module], rows: int, devices: int, split: str
+) -> None:
+    model = make_model(norm).double()
+    x = input_for(norm, rows)
+    want_y, want_grads, want_buffers = one_device_step(model, x)
+    y, grads, buffers = pmapped_step(model, x, cpus(devices), split)
+    torch.testing.assert_close(y, want_y)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], msg=lambda m, name=name: f"{name}: {m}")
+    assert_buffers_match(buffers, want_buffers)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"affine": False},
+        {"bias": False},
+        {"momentum": None},  # a cumulative average, counted by num_batches_tracked
+        {"track_running_stats": False},
+    ],
+)
+def test_options_match_batch_norm(options: dict[str, Any]) -> None:
+    model = make_model(nn.BatchNorm1d, **options).double()
+    x = input_for(nn.BatchNorm1d, 13)
+    want_y, want_grads, want_buffers = one_device_step(model, x)
+    y, grads, buffers = pmapped_step(model, x, cpus(3))
+    torch.testing.assert_close(y, want_y)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name])
+    assert_buffers_match(buffers, want_buffers)
+
+
+def test_gradcheck_through_the_exchange() -> None:
+    # Second derivatives too: the gather's backward is itself differentiable.
+    layer = fdp.SyncBatchNorm(2, axis_name="i").double()
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    buffers = dict(layer.named_buffers())
+
+    @fdp.pmap(in_axes=(0, None, None), axis_name="i", devices=cpus(3))
+    def f(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        y, _ = fdp.stateful_call(layer, {"weight": weight, "bias": bias}, buffers, (x,))
+        return y
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 2, 3, dtype=torch.float64, requires_grad=True)
+    w = (params["weight"] + torch.rand(2, dtype=torch.float64)).requires_grad_()
+    b = torch.rand(2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    assert torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+def test_half_precision_inputs() -> None:
+    # bf16 in, bf16 out, as nn.BatchNorm does it (statistics computed in float32 by both).
+    model = make_model(nn.BatchNorm1d).bfloat16()
+    x = (torch.randn(12, 3, 5) + 2).bfloat16()
+    want_y, want_grads, want_buffers = one_device_step(model, x)
+    y, grads, buffers = pmapped_step(model, x, cpus(2))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want_y, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(grads["1.weight"], want_grads["1.weight"], atol=0.1, rtol=0.02)
+    for name in ("1.running_mean", "1.running_var"):
+        assert buffers[name][0].dtype == torch.bfloat16
+        torch.testing.assert_close(buffers[name][0], want_buffers[name], atol=0.02, rtol=0.02)
+
+
+def test_evaluation_mode_uses_the_running_statistics_and_exchanges_nothing() -> None:
+    model = make_model(nn.BatchNorm1d).double().eval()
+    x = input_for(nn.BatchNorm1d, 10)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    # An axis name the layer does not know: in eval mode it must not reach for it.
+    f = fdp.pmap(lambda x: synced(x), axis_name="other", devices=cpus(2))
+    torch.testing.assert_close(f(x), model(x))
+
+
+def test_outside_pmap_it_is_an_ordinary_batch_norm() -> None:
+    model = make_model(nn.BatchNorm2d).double()
+    x = input_for(nn.BatchNorm2d, 6)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    want = copy.deepcopy(model)
+    torch.testing.assert_close(synced(x), want(x))
+    torch.testing.assert_close(synced[1].running_mean, want[1].running_mean)
+    torch.testing.assert_close(synced[1].running_var, want[1].running_var)
+
+
+def test_another_axis_name_is_an_error_not_local_statistics() -> None:
+    layer = fdp.SyncBatchNorm(3, axis_name="batch")
+    f = fdp.pmap(lambda x: layer(x), axis_name="data", devices=cpus(2))
+    with pytest.raises(NameError, match=r"unbound axis name: batch .*axis_name='data'"):
+        f(torch.randn(4, 3))
+
+
+def test_one_value_per_channel_in_all_is_refused() -> None:
+    layer = fdp.SyncBatchNorm(3, axis_name="i")
+    f = fdp.pmap(lambda x: layer(x), axis_name="i", devices=cpus(2))
+    with pytest.raises(ValueError, match=r"more than 1 value per channel .*got 1 in all"):
+        f(torch.randn(1, 3))
+    # Two rows over two replicas, one each: two values per channel in all, as on one device.
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(f(x), nn.functional.batch_norm(x, None, None, training=True))
+
+
+def test_a_replica_with_no_rows_adds_nothing() -> None:
+    layer = fdp.SyncBatchNorm(3, axis_name="i").double()
+    # Replica 0 drops its rows: the others' rows alone make the batch (no NaN from an empty mean).
+    f = fdp.pmap(lambda x: layer(x if fdp.axis_index("i") else x[:0]), axis_name="i", devices=cpus(3))
+    x = torch.randn(9, 3, 2, dtype=torch.float64)
+    want = nn.functional.batch_norm(x[3:], None, None, training=True)
+    torch.testing.assert_close(f(x), want)
+
+
+def test_bad_inputs_and_arguments() -> None:
+    with pytest.raises(ValueError, match=r"axis_name must name the pmapped axis"):
+        fdp.SyncBatchNorm(3, axis_name=None)
+    layer = fdp.SyncBatchNorm(3, axis_name="i")
+    with pytest.raises(
+        ValueError, match=r"expected an input of shape \(N, C, \*\), of 2 or more dims, got 1D"
+    ):
+        layer(torch.randn(3))
+    f = fdp.pmap(lambda x: layer(x), axis_name="i", devices=cpus(2))
+    with pytest.raises(ValueError, match=r"expected 3 channels \(dim 1\) .*got shape \(2, 4\)"):
+        f(torch.randn(4, 4))
+
+
+def test_convert_keeps_the_same_tensors_and_state_dict() -> None:
+    model = make_model(nn.BatchNorm2d).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tensors = {k: v for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    converted = fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name="batch")
+    assert isinstance(converted[1], fdp.SyncBatchNorm) and converted[1].axis_name == "batch"
+    assert isinstance(converted[1], nn.modules.batchnorm._BatchNorm)  # weight-decay filters see it
+    assert not converted[1].training
+    assert {
+        k: v for k, v in [*converted.named_parameters(), *converted.named_buffers()]
+    }.keys() == tensors.keys()
+    for k, v in [*converted.named_parameters(), *converted.named_buffers()]:
+        assert v is tensors[k], k
+    assert all(torch.equal(v, before[k]) for k, v in converted.state_dict().items())
+    # A batch norm at the root comes back as a new layer; torch's SyncBatchNorm converts too.
+    assert isinstance(
+        fdp.SyncBatchNorm.convert_sync_batchnorm(nn.SyncBatchNorm(2), axis_name="i"), fdp.SyncBatchNorm
+    )
+
+
+def test_convert_refuses_an_uninitialized_lazy_batch_norm() -> None:
+    with pytest.raises(ValueError, match=r"LazyBatchNorm1d has not inferred its number of features"):
+        fdp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.LazyBatchNorm1d()), axis_name="i")
+
+
+def test_through_data_parallel_with_the_axis_name() -> None:
+    model = make_model(nn.BatchNorm1d).double()
+    x = input_for(nn.BatchNorm1d, 30)
+    want_y, want_grads, want_buffers = one_device_step(model, x)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    wrapped = fdp.DataParallel(synced, device_ids=cpus(8), axis_name="batch")
+    xg = x.clone().requires_grad_()
+    y = wrapped(xg)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    grads = torch.autograd.grad((y * weights).sum(), [xg, *synced.parameters()])
+    torch.testing.assert_close(y, want_y)
+    for name, grad in zip(["x", *(n for n, _ in synced.named_parameters())], grads):
+        torch.testing.assert_close(grad, want_grads[name])
+    for name, value in synced.named_buffers():
+        torch.testing.assert_close(value, want_buffers[name])
