@@ -50,6 +50,11 @@ class SyncBatchNorm(_BatchNorm):
     :func:`fdp.stateful_call` in a pmapped function (the replicas' updated statistics agree), or
     through :class:`fdp.DataParallel` with the same ``axis_name``.
 
+    The exchange is a collective, so a graph break for ``torch.compile``: under
+    ``fdp.pmap(..., compile=True)`` pmap the module itself (``fdp.pmap(model, compile=True)``,
+    without running statistics to update); :func:`fdp.stateful_call` in compiled code needs
+    ``forward`` in one graph, and dynamo's ``Unsupported`` error names the break.
+
     Args:
         num_features: ``C``, the number of channels.
         eps: added to the variance for stability. Default: ``1e-5``.
