@@ -375,7 +375,16 @@ class Pmapped(Generic[P, R]):
             for i in self.static_argnums:
                 position = i + len(args) if i < 0 else i
                 if not 0 <= position < len(args):
-                    continue  # JAX ignores static_argnums beyond the arguments given
+                    # As jax.pmap does: a static argument passed by keyword (or left to its
+                    # default) would otherwise be mapped along dim 0 like any keyword argument,
+                    # its tensors split over the replicas, silently.
+                    given = f"only {len(args)} positional argument{'s' if len(args) != 1 else ''}"
+                    raise ValueError(
+                        f"{self._caller} has static_argnums={self.static_argnums!r}, but entry "
+                        f"{i} names no positional argument: this call passes {given}"
+                        f"{' after params' if self.is_module else ''}. Pass static arguments "
+                        "positionally (keyword arguments are mapped along dim 0)."
+                    )
                 value = args[position]
                 try:
                     hash(value)
@@ -617,7 +626,9 @@ def pmap(
         output_device: where outputs are gathered (``"cpu"`` allowed). Default: ``None``, the
             first device.
         static_argnums: positional arguments passed unchanged to every replica (not scattered,
-            not moved); they must be hashable. Default: ``()``.
+            not moved); they must be hashable and given positionally (as in ``jax.pmap``, an
+            index past the call's positional arguments is a ``ValueError``: by keyword, the
+            argument would be mapped). Negative indices count from the last. Default: ``()``.
         split: ``"chunk"`` follows ``torch.chunk`` like ``nn.DataParallel`` (30 rows over 8
             devices: 4,4,4,4,4,4,4,2; 10 over 8: five replicas of 2); ``"balanced"`` gives
             sizes that differ by at most one and never an empty shard. Default: ``"chunk"``.
@@ -639,8 +650,8 @@ def pmap(
     Raises:
         ValueError: (at call time) mapped sizes disagree, a rank is too small, the batch is
             empty, nothing is mapped, ``in_axes``/``out_axes`` is not a prefix of the
-            arguments/output, devices are unavailable, or replicas return different structures
-            or non-tensor values.
+            arguments/output, a static argument is not given positionally, devices are
+            unavailable, or replicas return different structures or non-tensor values.
         RuntimeError: called inside a mapped function, or under a ``torch.func`` transform.
 
     Examples:

@@ -113,6 +113,13 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"static arguments must be hashable.*args\[1\] of type list",
     ),
     (
+        "static argument passed by keyword",
+        lambda: (torch.zeros(2), torch.ones(2)),
+        lambda a: pm(lambda x, table: x, static_argnums=1)(a[0], table=a[1]),
+        ValueError,
+        r"static_argnums=\(1,\), but entry 1 names no positional argument: this call passes only 1",
+    ),
+    (
         "nested pmap",
         lambda: (torch.zeros(4),),
         lambda a: pm(lambda x: pm(lambda y: y)(x))(*a),

@@ -658,6 +658,35 @@ def test_unhashable_static_argument_is_a_type_error() -> None:
         f(torch.zeros(2), [1, 2])
 
 
+@pytest.mark.parametrize("module", [False, True])
+def test_static_argument_not_given_positionally_is_a_value_error(module: bool) -> None:
+    # As in jax.pmap. Taken as a keyword argument, a static tensor would be split along dim 0
+    # over the replicas, silently; left to its default, it would not be static.
+    default = torch.ones(4)
+
+    def f(x, table=default):
+        return x + table.sum()
+
+    class Add(nn.Module):
+        def forward(self, x, table=default):
+            return f(x, table)
+
+    mapped = fdp.pmap(Add() if module else f, static_argnums=1, devices=cpus(2))
+    head = ({},) if module else ()
+    for kwargs in ({"table": torch.ones(4)}, {}):
+        with pytest.raises(
+            ValueError,
+            match=r"has static_argnums=\(1,\), but entry 1 names no positional argument: this call "
+            r"passes only 1 positional argument.*Pass static arguments positionally",
+        ):
+            mapped(*head, torch.zeros(4), **kwargs)
+    with pytest.raises(
+        ValueError, match=r"entry -3 names no positional argument.*only 2 positional arguments"
+    ):
+        fdp.pmap(f, static_argnums=-3, devices=cpus(2))(torch.zeros(4), torch.ones(4))
+    torch.testing.assert_close(mapped(*head, torch.zeros(4), torch.ones(4)), torch.full((4,), 4.0))
+
+
 def test_static_argnums_must_be_ints() -> None:
     with pytest.raises(TypeError, match="static_argnums must be an int or ints"):
         fdp.pmap(lambda x: x, static_argnums=("x",))  # type: ignore[arg-type]
