@@ -368,7 +368,15 @@ class _AllReduce(_Op):
         }[reduce]
 
     def key(self) -> Hashable:
-        return (self.name, self.reduce, self.scaling, self.transposes)
+        # The options as messages show them, when replicas call one collective with different
+        # ones (the name and scaling determine the reduction).
+        options = {
+            "none": "",
+            "mean": "weight=None",
+            "weighted_in": "weight=a number",
+            "weighted_out": "weight=a number, transposed",
+        }[self.scaling]
+        return (self.name, options, self.transposes)
 
     def transpose(self) -> _AllReduce:
         return self.transposed(_AllReduce(self.reduce, self._TRANSPOSE[self.scaling]))
@@ -536,7 +544,7 @@ class _Permute(_Op):
         self.source_of = {dst: src for src, dst in perm}
 
     def key(self) -> Hashable:
-        return (self.name, self.perm, self.transposes)
+        return (self.name, f"perm={list(self.perm)}", self.transposes)
 
     def inverse(self) -> _Permute:
         return self.transposed(_Permute(tuple((dst, src) for src, dst in self.perm)))

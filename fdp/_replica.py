@@ -160,11 +160,14 @@ class CallGroup:
                 round_ = self._rounds[number] = _Round(self.size, what)
             elif round_.what != what and round_.error is None:
                 first = next(r for r, p in enumerate(round_.payloads) if p is not _PENDING)
+                # One collective with different options (ppermute's perm, pmean's weight): the
+                # options say which, where the names alone would read as the same call twice.
+                options = _describe(round_.what) == _describe(what)
                 round_.error = (
                     ValueError,
                     f"the replicas called different collectives at the same point: "
-                    f"{_describe(round_.what)} (replica {first}) and {_describe(what)} "
-                    f"(replica {index}). Every "
+                    f"{_describe(round_.what, options)} (replica {first}) and "
+                    f"{_describe(what, options)} (replica {index}). Every "
                     "replica must call the same collectives, with the same options, in the same "
                     "order (and differentiate through them in the same order).",
                     None,
@@ -241,12 +244,17 @@ def _fresh(kind: type[BaseException], message: str, cause: BaseException | None)
     return error
 
 
-def _describe(what: Hashable) -> str:
-    """The collective a key names; a backward's key ends with the forward exchange's number."""
+def _describe(what: Hashable, options: bool = False) -> str:
+    """The collective a key names; a backward's key ends with the forward exchange's number.
+    With ``options``, the options a key holds between the two, as text (``perm=[(0, 1)]``)."""
     if isinstance(what, tuple) and what:
+        name = str(what[0])
+        if options and len(what) > 2 and all(isinstance(o, str) for o in what[1:-1]):
+            shown = ", ".join(o for o in what[1:-1] if o)
+            name = f"{name}({shown})"
         if isinstance(what[-1], int):
-            return f"{what[0]} (the backward of collective #{what[-1]})"
-        return str(what[0])
+            return f"{name} (the backward of collective #{what[-1]})"
+        return name
     return str(what)
 
 

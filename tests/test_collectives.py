@@ -509,6 +509,33 @@ def test_replicas_calling_different_collectives() -> None:
     assert re.search(r"fdp\.pmax \(replica [1-3]\)", str(info.value)), str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("one", "other", "names"),
+    [
+        (
+            lambda x: fdp.ppermute(x, "i", [(0, 1), (1, 0)]),
+            lambda x: fdp.ppermute(x, "i", [(0, 1)]),
+            (r"fdp\.ppermute\(perm=\[\(0, 1\), \(1, 0\)\]\)", r"fdp\.ppermute\(perm=\[\(0, 1\)\]\)"),
+        ),
+        (
+            lambda x: fdp.pmean(x, "i"),
+            lambda x: fdp.pmean(x, "i", weight=1.0),
+            (r"fdp\.pmean\(weight=None\)", r"fdp\.pmean\(weight=a number\)"),
+        ),
+    ],
+    ids=["ppermute", "pmean"],
+)
+def test_replicas_calling_one_collective_with_different_options_are_told_which(
+    one: Callable[..., Any], other: Callable[..., Any], names: tuple[str, str]
+) -> None:
+    # By name alone the message would read "fdp.ppermute (replica 0) and fdp.ppermute (replica
+    # 1)": the options say what differs.
+    with pytest.raises(ValueError, match="the replicas called different collectives") as info:
+        finishes(lambda: per_row(lambda x: one(x) if fdp.axis_index("i") == 0 else other(x))(rows()))
+    assert re.search(names[0] + r" \(replica 0\)", str(info.value)), str(info.value)
+    assert re.search(names[1] + r" \(replica [1-3]\)", str(info.value)), str(info.value)
+
+
 def test_trees_with_a_tensor_in_a_non_node_field() -> None:
     # Structures compare node data with ==, which a tensor answers elementwise: the same tensor
     # object on every replica is the same structure; a tensor of each replica's own cannot be
