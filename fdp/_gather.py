@@ -336,8 +336,18 @@ def _join(
     dim = _axes.normalize_axis(axis, values[0].dim()) if len(ranks) == 1 else None
     if dim is None:
         kinds = ", ".join(_tree.describe(v) for v in values)
+        # An axis past the rank is what a jax.pmap habit gives (out_axes=1 on a vector there
+        # inserts a device axis): say which dims exist.
+        rank = values[0].dim()
+        fits = (
+            f"; out_axes concatenates along an existing dim (it inserts no new axis, unlike "
+            f"jax.pmap's): a dim in [{-rank}, {rank - 1}] fits"
+            if len(ranks) == 1
+            else ""
+        )
         raise ValueError(
-            f"{caller}: cannot concatenate {path()} along out_axes {axis}: the replicas returned {kinds}"
+            f"{caller}: cannot concatenate {path()} along out_axes {axis}: the replicas "
+            f"returned {kinds}{fits}"
         )
     try:
         return _transfer.gather_to(values, dim, destination)

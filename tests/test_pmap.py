@@ -550,8 +550,10 @@ def test_out_axes_not_a_prefix_is_an_error() -> None:
 
 def test_out_axes_beyond_rank_is_an_error() -> None:
     f = fdp.pmap(lambda x: x, out_axes=2, devices=cpus(2))
-    with pytest.raises(ValueError, match=r"cannot concatenate output along out_axes 2"):
+    with pytest.raises(ValueError, match=r"cannot concatenate output along out_axes 2") as info:
         f(torch.zeros(4, 3))
+    # The dims that exist, for a jax.pmap habit (a new device axis) that out_axes does not have.
+    assert "it inserts no new axis, unlike jax.pmap's): a dim in [-2, 1] fits" in str(info.value)
 
 
 def test_unmapped_output_comes_from_the_output_device_replica() -> None:
