@@ -595,11 +595,11 @@ def _exchange(
         shapes = [tuple(tuple(b.shape) for b in p[1]) for p in payloads]
         if any(s != shapes[0] for s in shapes):
             # Under torch.func.vmap the buffers carry the vmapped rows: uneven shards show here.
+            other = next(r for r, s in enumerate(shapes) if s != shapes[0])
             raise ValueError(
                 f"{op.name}: the replicas' values have different shapes ({shapes[0]} on replica "
-                f"{context.group.offset}, "
-                f"{next(s for s in shapes if s != shapes[0])} on another); under torch.func.vmap "
-                "every replica must map over the same number of rows"
+                f"{context.group.offset}, {shapes[other]} on replica {context.group.offset + other}); "
+                "under torch.func.vmap every replica must map over the same number of rows"
             )
         marks = [p[3] for p in payloads]
         for p in payloads:  # on CUDA: combine once every replica's buffers are written

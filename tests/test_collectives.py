@@ -624,8 +624,10 @@ def test_backward_through_different_collectives_is_an_error() -> None:
 
 def test_vmap_over_uneven_shards_is_an_error() -> None:
     f = fdp.pmap(lambda x: torch.func.vmap(lambda r: fdp.psum(r, "i"))(x), axis_name="i", devices=cpus(2))
-    with pytest.raises(ValueError, match="every replica must map over the same number of rows"):
+    with pytest.raises(ValueError, match="every replica must map over the same number of rows") as info:
         finishes(lambda: f(torch.ones(3)))
+    # Both replicas named, with their buffers' shapes (the vmapped rows lead).
+    assert re.search(r"\(\(\(2, 1\),\) on replica 0, \(\(1, 1\),\) on replica 1\)", str(info.value))
 
 
 def test_in_place_ops_on_differentiable_results() -> None:
