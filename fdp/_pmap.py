@@ -417,8 +417,8 @@ class Pmapped(Generic[P, R]):
                 spec = 0  # keyword arguments are always mapped along dim 0, as in jax.pmap
             else:
                 spec = in_axes
-            axes.extend(
-                _axes.leaf_axes(
+            try:
+                part_axes = _axes.leaf_axes(
                     spec,
                     part,
                     what="in_axes",
@@ -427,7 +427,18 @@ class Pmapped(Generic[P, R]):
                     if root == "args"
                     else root,
                 )
-            )
+            except ValueError as err:
+                keywords = parts[-1]
+                if root == "args" and keywords and isinstance(spec, tuple) and len(spec) > len(part):
+                    # An argument meant for an in_axes entry was passed by keyword (as in
+                    # jax.pmap, in_axes covers the positional arguments only).
+                    raise ValueError(
+                        f"{err.args[0]}\nKeyword arguments {sorted(keywords)} are not covered by "
+                        "in_axes (they are mapped along dim 0): pass the arguments that in_axes "
+                        "describes positionally."
+                    ) from None
+                raise
+            axes.extend(part_axes)
         return _Plan(axes)
 
     def _call_replica(self, tree: tuple[Any, ...], statics: dict[int, Any]) -> Any:

@@ -189,6 +189,19 @@ def test_in_axes_nested_prefix(devices: list[str]) -> None:
     torch.testing.assert_close(lookup(batch), batch["x"] @ batch["table"].T)
 
 
+def test_in_axes_longer_than_the_positional_arguments_names_the_keyword_arguments() -> None:
+    # A jax.pmap habit too: in_axes covers the positional arguments only, so an argument it
+    # describes, passed by keyword, leaves the tuple too long. The message says why.
+    f = fdp.pmap(lambda x, w: x @ w, in_axes=(0, None), devices=cpus(2))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)tree prefix of the tuple of positional arguments \(1 given\).*"
+        r"Keyword arguments \['w'\] are not covered by in_axes \(they are mapped along dim 0\)",
+    ):
+        f(torch.ones(4, 2), w=torch.ones(2, 2))
+    torch.testing.assert_close(f(torch.ones(4, 2), torch.ones(2, 2)), torch.full((4, 2), 2.0))
+
+
 def test_in_axes_list_is_read_as_tuple() -> None:
     f = fdp.pmap(lambda x, w: x * w, in_axes=[0, None], devices=cpus(2))
     torch.testing.assert_close(f(torch.ones(4), torch.tensor(2.0)), torch.full((4,), 2.0))
