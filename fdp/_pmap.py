@@ -663,6 +663,8 @@ def pmap(
             empty, nothing is mapped, ``in_axes``/``out_axes`` is not a prefix of the
             arguments/output, a static argument is not given positionally, devices are
             unavailable, or replicas return different structures or non-tensor values.
+        TypeError: (at call time) a NumPy array (or another library's array) under an int axis
+            (convert it with ``torch.as_tensor``), or an unhashable static argument.
         RuntimeError: called inside a mapped function, or under a ``torch.func`` transform.
 
     Examples:

@@ -103,7 +103,7 @@ def scatter_leaves(
         raise ValueError(
             f"{caller} found no tensor to map: every tensor argument has axis None (or there is "
             "none), so there is no batch to split over the replicas. Give at least one tensor an "
-            "int axis in in_axes." + _array_hint(leaves, axes, paths)
+            "int axis in in_axes."
         )
     if batch < 0:
         raise ValueError(_inconsistent_sizes_message(leaves, mapped, user_axes, caller, paths()))
@@ -133,18 +133,6 @@ def scatter_leaves(
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)
     return Scattered(rows, run_on, sizes, shared)
-
-
-def _array_hint(leaves: Sequence[Any], axes: Sequence[Any], paths: Callable[[], list[str]]) -> str:
-    """Names the first mapped leaf that is an array but not a tensor (a numpy array, say)."""
-    for k, (leaf, axis) in enumerate(zip(leaves, axes)):
-        if axis is not _axes.BROADCAST and hasattr(leaf, "__array__") and hasattr(leaf, "shape"):
-            kind = f"{type(leaf).__module__.partition('.')[0]}.{type(leaf).__qualname__}"
-            return (
-                f" {paths()[k]} is a {kind}, not a torch.Tensor: fdp splits only tensors and passes "
-                "other leaves whole to every replica. Convert it with torch.as_tensor."
-            )
-    return ""
 
 
 # Leaves that every replica gets as they are, mapped or not (a step count in resident state),
@@ -383,7 +371,9 @@ def scatter(
     The pytree-generic, CPU-capable counterpart of ``torch.nn.parallel.scatter``. Tensor leaves
     with an int axis are cut along it by the split rule and moved to the replica's device;
     tensor leaves with axis ``None`` are copied whole to every device; other leaves reach every
-    replica unchanged. Gradients flow back to the original tensors.
+    replica unchanged, but for arrays of other libraries (a NumPy array of rank 1 or more), which
+    under an int axis are refused rather than given whole to every replica. Gradients flow back
+    to the original tensors.
 
     Args:
         tree: any pytree: dicts, lists, tuples, namedtuples, plain dataclasses, optree-registered
@@ -399,6 +389,7 @@ def scatter(
     Raises:
         ValueError: mapped leaves disagree in size, a leaf's rank is too small, the batch is
             empty, or ``in_axes`` is not a prefix of ``tree``.
+        TypeError: a NumPy array (or another library's array) under an int axis.
 
     Examples:
         >>> import torch, fdp

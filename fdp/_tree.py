@@ -309,9 +309,22 @@ def _register_new_node_types(leaves: Sequence[Any]) -> bool:
 
 
 def unsplittable_reason(leaf: Any) -> str | None:
-    """Why ``leaf``, a dataclass fdp cannot rebuild, cannot be split, if it holds a tensor."""
+    """Why ``leaf``, a leaf other than a tensor under an int axis, cannot be split: an array of
+    another library (a NumPy array, say), or a dataclass fdp cannot rebuild that holds a tensor.
+    None for a leaf that every replica may get whole (a number, a string, any other object)."""
     reason = OPAQUE_DATACLASSES.get(type(leaf))
     if reason is None:
+        shape = getattr(leaf, "shape", None) if hasattr(leaf, "__array__") else None
+        if isinstance(shape, tuple) and shape:
+            # Passed whole, each replica would get every row: a JAX habit (jax.pmap splits
+            # NumPy arrays) that gives wrong shapes, or a silent broadcast, rather than an error.
+            kind = f"{type(leaf).__module__.partition('.')[0]}.{type(leaf).__qualname__}"
+            return (
+                f"a {kind} of shape {shape} is not a torch.Tensor, and fdp splits only tensors: "
+                "every replica would get all of it. Convert it with torch.as_tensor to split it; "
+                "to give every replica all of it, pass it positionally with axis None in "
+                "fdp.pmap's in_axes (keyword arguments are always split)"
+            )
         return None
     if not any(isinstance(getattr(leaf, f.name, None), torch.Tensor) for f in dataclasses.fields(leaf)):
         return None

@@ -61,15 +61,30 @@ def test_nothing_mapped_is_an_error() -> None:
         fdp.pmap(lambda n: n, devices=cpus(2))(5)
 
 
-def test_nothing_mapped_names_an_array_that_is_not_a_tensor() -> None:
-    # A JAX user passes numpy arrays: they are not tensors, so they reach every replica whole and
-    # nothing is mapped. The message names the array and says to convert it.
+@pytest.mark.parametrize("devices", [1, 2])
+def test_an_array_that_is_not_a_tensor_under_an_int_axis_is_refused(devices: int) -> None:
+    # A JAX user passes NumPy arrays (jax.pmap splits them). fdp splits tensors only: passed
+    # whole, every replica would get every row, a wrong shape or a silent broadcast. On one
+    # replica too, so that a program does not change meaning with the device count.
     np = pytest.importorskip("numpy")
-    f = fdp.pmap(lambda x, y: x, devices=cpus(2))
-    with pytest.raises(ValueError, match="found no tensor to map") as info:
-        f(np.zeros((4, 3)), {"y": np.zeros(4)})
-    assert "args[0] is a numpy.ndarray, not a torch.Tensor" in str(info.value)
-    assert "torch.as_tensor" in str(info.value)
+    f = fdp.pmap(lambda x, y: x - torch.as_tensor(y["y"]), devices=cpus(devices))
+    message = (
+        r"fdp.pmap\(.*<lambda>\): kwargs\['y'\]\['y'\]: a numpy.ndarray of shape \(4, 1\) is not a "
+        r"torch.Tensor, and fdp splits only tensors: every replica would get all of it. Convert it "
+        r"with torch.as_tensor to split it; to give every replica all of it, pass it positionally "
+        r"with axis None"
+    )
+    with pytest.raises(TypeError, match=message):
+        f(torch.zeros(4, 1), y={"y": np.zeros((4, 1))})
+    with pytest.raises(TypeError, match=r"args\[0\]: a numpy.ndarray of shape \(4, 3\)"):
+        fdp.pmap(lambda x: x, devices=cpus(devices))(np.zeros((4, 3)))
+    # Given axis None, an array reaches every replica whole; a 0-dim array is a number.
+    g = fdp.pmap(
+        lambda x, table, s: x + torch.as_tensor(table)[:1] * float(s),
+        in_axes=(0, None, 0),
+        devices=cpus(devices),
+    )
+    assert g(torch.zeros(4, 2), np.ones((3, 2)), np.array(2.0)).tolist() == [[2.0, 2.0]] * 4
 
 
 def test_in_axes_not_a_prefix_names_the_key_path() -> None:
