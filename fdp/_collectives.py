@@ -55,7 +55,18 @@ __all__ = [
 def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
     context = _replica.current()
     if context is None or axis_name is None or context.axis_name != axis_name:
-        if context is None:
+        if context is None and torch._C._current_graph_task_id() != -1:
+            # Outside any replica, but in a backward pass: the mapped function has returned and
+            # its replicas are gone, yet its code runs again. Saying that collectives work
+            # inside a mapped function would send the user looking for a missing axis_name.
+            hint = (
+                "called during a backward pass, after the mapped function returned, where no "
+                "replica runs and there is no one to meet: most likely torch.utils.checkpoint "
+                "inside the mapped function, recomputing a region that holds this collective. "
+                "Checkpoint only regions between collectives, or checkpoint around the whole "
+                "pmapped call"
+            )
+        elif context is None:
             hint = "collectives work inside a function mapped with fdp.pmap(..., axis_name=...)"
         elif context.axis_name is None:
             hint = "the function being mapped was given no axis_name"

@@ -168,3 +168,22 @@ def test_checkpoint_around_a_pmapped_call_gives_the_plain_gradients(kind: str) -
         x.grad = None
         f(x).square().sum().backward()
         torch.testing.assert_close(recomputed, x.grad, msg=lambda m, trial=trial: f"trial {trial}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_collective_names_the_recomputation(reentrant: bool) -> None:
+    # torch.utils.checkpoint inside the mapped function recomputes its region in backward, after
+    # the replicas have returned: a collective there cannot meet anyone. The error used to say
+    # that collectives work inside a mapped function, which this one is.
+    from torch.utils.checkpoint import checkpoint
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * fdp.psum(x.sum(), "i")
+
+    f = fdp.pmap(lambda x: checkpoint(region, x, use_reentrant=reentrant), axis_name="i", devices=cpus(2))
+    x = torch.randn(4, requires_grad=True)
+    out = f(x)
+    with pytest.raises(
+        NameError, match=r"unbound axis name: i \(fdp.psum: called during a backward pass.*checkpoint"
+    ):
+        out.sum().backward()
