@@ -705,6 +705,19 @@ class _Spmd(torch.autograd.Function):
         return (None, None, None, None, *result)
 
     @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        # Without it torch raises NotImplementedError naming no collective. A rule would not
+        # help: forward-mode AD inside replicas that run at once is unsafe in torch itself.
+        raise RuntimeError(
+            f"{ctx.op.name} was differentiated in forward mode (torch.func.jvp, jacfwd, hessian) "
+            "inside the mapped function: collectives have no forward-mode rule, and torch keeps "
+            "forward-mode AD levels per process, not per thread, so replicas that run it at once "
+            "corrupt each other's. Use reverse mode inside the mapped function (vjp, jacrev; "
+            "jacrev(jacrev(f)) for a Hessian), or torch.autograd.forward_ad around the whole "
+            "pmapped call."
+        )
+
+    @staticmethod
     def vmap(
         info: Any,
         in_dims: tuple[Any, ...],
@@ -723,7 +736,7 @@ class _Spmd(torch.autograd.Function):
         return _Spmd.apply(op, context, extra, layout, *moved), (op.out_dim,) * len(buffers)
 
 
-for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.vmap):
+for _method in (_Spmd.forward, _Spmd.setup_context, _Spmd.backward, _Spmd.jvp, _Spmd.vmap):
     never_compiled(_method)
 
 

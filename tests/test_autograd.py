@@ -187,3 +187,49 @@ def test_checkpointed_collective_names_the_recomputation(reentrant: bool) -> Non
         NameError, match=r"unbound axis name: i \(fdp.psum: called during a backward pass.*checkpoint"
     ):
         out.sum().backward()
+
+
+# Forward-mode AD loads torch's decompositions through torch.jit.script once, which warns.
+_JIT_SCRIPT_DEPRECATED = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
+
+@_JIT_SCRIPT_DEPRECATED
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_forward_mode_through_a_collective_is_refused_by_name(transform: str) -> None:
+    # Collectives have no forward-mode rule: torch raised NotImplementedError ("You must
+    # implement the jvp function for custom autograd.Function"), naming no collective.
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return fdp.psum(((x @ w).tanh() ** 2).sum(), "i")
+
+    def differentiate(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if transform == "jvp":
+            return torch.func.jvp(lambda w: loss(w, x), (w,), (torch.ones_like(w),))[1]
+        return getattr(torch.func, transform)(loss)(w, x)
+
+    # One replica: forward-mode AD is not run by several threads at once, and only the missing
+    # rule can fail.
+    f = fdp.pmap(differentiate, in_axes=(None, 0), axis_name="i", devices=cpus(1), out_axes=None)
+    with pytest.raises(RuntimeError, match=r"fdp.psum was differentiated in forward mode .*jacrev"):
+        f(torch.randn(3), torch.randn(4, 3))
+
+
+@_JIT_SCRIPT_DEPRECATED
+def test_forward_mode_around_the_call_gives_the_one_device_tangents(devices: list[str]) -> None:
+    # docs/concepts.md: forward-mode AD is unsafe inside replicas, but works around the call.
+    import torch.autograd.forward_ad as fwad
+
+    x, w = torch.randn(9, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+    mapped = fdp.pmap(
+        lambda x, w: torch.tanh(x @ w) * fdp.psum(x.sum(), "i"),
+        in_axes=(0, None),
+        axis_name="i",
+        devices=devices,
+    )
+    with fwad.dual_level():
+        got = fwad.unpack_dual(mapped(fwad.make_dual(x, tx), fwad.make_dual(w, tw))).tangent
+        xd, wd = fwad.make_dual(x, tx), fwad.make_dual(w, tw)
+        expected = fwad.unpack_dual(torch.tanh(xd @ wd) * xd.sum()).tangent
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
