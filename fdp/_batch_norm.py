@@ -48,7 +48,9 @@ class SyncBatchNorm(_BatchNorm):
     It takes inputs of shape ``(N, C, *)``, as every ``BatchNorm*d`` does. The running
     statistics change in place, as ``nn.BatchNorm``'s do: run the module with
     :func:`fdp.stateful_call` in a pmapped function (the replicas' updated statistics agree), or
-    through :class:`fdp.DataParallel` with the same ``axis_name``.
+    through :class:`fdp.DataParallel` with the same ``axis_name``. A layer that the replicas
+    share (called from the mapped function's closure) gets each update once: every replica
+    writes the same new values, computed from the values before the call.
 
     The exchange is a collective, so a graph break for ``torch.compile``: under
     ``fdp.pmap(..., compile=True)`` pmap the module itself (``fdp.pmap(model, compile=True)``,
@@ -121,38 +123,59 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        # The running statistics' update factor and batch counter, as nn.BatchNorm has them.
+        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
+        if batch_statistics and _replica.current() is not None:
+            return self._synced(input)
+        # Running statistics, or one device's batch: no replica to share with. The running
+        # statistics' update factor and batch counter, as nn.BatchNorm has them.
         factor = 0.0 if self.momentum is None else self.momentum
-        tracking = self.training and self.track_running_stats
-        if tracking and self.num_batches_tracked is not None:
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        if not (batch_statistics and _replica.current() is not None):
-            # Running statistics, or one device's batch: no replica to share with.
-            return F.batch_norm(
-                input,
-                self.running_mean if not self.training or self.track_running_stats else None,
-                self.running_var if not self.training or self.track_running_stats else None,
-                self.weight,
-                self.bias,
-                batch_statistics,
-                factor,
-                self.eps,
-            )
+        return F.batch_norm(
+            input,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            batch_statistics,
+            factor,
+            self.eps,
+        )
+
+    def _synced(self, input: torch.Tensor) -> torch.Tensor:
+        """``forward`` with the statistics of every replica's rows, in a mapped function."""
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"fdp.SyncBatchNorm: expected {self.num_features} channels (dim 1) in an input "
                 f"of shape (N, C, *), got shape {tuple(input.shape)}"
             )
-        x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-        mean, var, count = self._whole_batch_statistics(x)
+        # The buffers' new values are computed from what they hold before the exchange and
+        # written after it. Every replica computes the same values, so where the replicas share
+        # one layer's buffers (the layer in the mapped function's closure), writing them again
+        # changes nothing; read after the exchange, a buffer could already hold another
+        # replica's update, applied a second time on top (the exchange waits for every replica
+        # to enter it, so none has written yet when any reads).
+        factor = 0.0 if self.momentum is None else self.momentum
+        tracking = self.training and self.track_running_stats
+        batches = None
+        if tracking and self.num_batches_tracked is not None:
+            batches = self.num_batches_tracked + 1
+            factor = 1.0 / float(batches) if self.momentum is None else self.momentum
+        running = None
         if tracking and self.running_mean is not None and self.running_var is not None:
             with torch.no_grad():
+                running = (self.running_mean * (1 - factor), self.running_var * (1 - factor))
+        x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+        mean, var, count = self._whole_batch_statistics(x)
+        with torch.no_grad():
+            if batches is not None and self.num_batches_tracked is not None:
+                self.num_batches_tracked.copy_(batches)
+            if running is not None and self.running_mean is not None and self.running_var is not None:
                 # The unbiased variance, as nn.BatchNorm keeps; count > 1 was checked.
                 unbiased = var * (count / (count - 1))
-                self.running_mean.copy_(mean * factor + self.running_mean * (1 - factor))
-                self.running_var.copy_(unbiased * factor + self.running_var * (1 - factor))
+                self.running_mean.copy_(mean * factor + running[0])
+                self.running_var.copy_(unbiased * factor + running[1])
         shape = (1, -1) + (1,) * (x.dim() - 2)
         scale = torch.rsqrt(var + self.eps)
         if self.weight is not None:

@@ -254,3 +254,20 @@ def test_through_data_parallel_with_the_axis_name() -> None:
         torch.testing.assert_close(grad, want_grads[name])
     for name, value in synced.named_buffers():
         torch.testing.assert_close(value, want_buffers[name])
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_layer_shared_by_the_replicas_updates_its_statistics_once(momentum: float | None) -> None:
+    # The layer in the mapped function's closure: every replica updates the same buffers in
+    # place, with the same whole-batch statistics. Each must apply the update once, to the
+    # value from before the call, not on top of another replica's (4 updates, 4 batches).
+    layer = fdp.SyncBatchNorm(3, momentum=momentum, axis_name="i").double()
+    want = nn.BatchNorm1d(3, momentum=momentum).double()
+    f = fdp.pmap(lambda x: layer(x), axis_name="i", devices=cpus(4))
+    torch.manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(8, 3, 2, dtype=torch.float64) * 2 + 5
+        torch.testing.assert_close(f(x), want(x))
+    torch.testing.assert_close(layer.running_mean, want.running_mean)
+    torch.testing.assert_close(layer.running_var, want.running_var)
+    assert layer.num_batches_tracked.item() == 3
