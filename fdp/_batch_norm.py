@@ -42,8 +42,8 @@ class SyncBatchNorm(_BatchNorm):
 
     Outside any mapped function (a plain call on one device) it is an ordinary batch norm, as
     ``nn.SyncBatchNorm`` is without a process group; in evaluation mode it uses the running
-    statistics and exchanges nothing. Inside a function mapped with another ``axis_name``, a
-    call in training mode raises ``NameError``.
+    statistics and exchanges nothing. Inside a function mapped with another ``axis_name`` (or
+    none), a call in training mode raises ``NameError``, naming the ``axis_name`` to give.
 
     It takes inputs of shape ``(N, C, *)``, as every ``BatchNorm*d`` does. The running
     statistics change in place, as ``nn.BatchNorm``'s do: run the module with
@@ -106,6 +106,12 @@ class SyncBatchNorm(_BatchNorm):
                 "fdp.SyncBatchNorm: axis_name must name the pmapped axis whose replicas share "
                 "their statistics (the axis_name given to fdp.pmap), got None"
             )
+        try:
+            hash(axis_name)
+        except TypeError:
+            raise TypeError(
+                f"fdp.SyncBatchNorm: axis_name must be hashable, as fdp.pmap's is, got {axis_name!r}"
+            ) from None
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
         )
@@ -145,6 +151,16 @@ class SyncBatchNorm(_BatchNorm):
 
     def _synced(self, input: torch.Tensor) -> torch.Tensor:
         """``forward`` with the statistics of every replica's rows, in a mapped function."""
+        try:
+            _collectives._bound(self.axis_name, "fdp.SyncBatchNorm")
+        except NameError as error:
+            # Said here, in the layer's words: the exchange beneath would name fdp.all_gather,
+            # which the user never called (a converted model under fdp.DataParallel, say).
+            raise NameError(
+                f"{error}: the layer normalizes over the replicas of its axis_name, so map the "
+                f"function with fdp.pmap(..., axis_name={self.axis_name!r}), or give "
+                f"fdp.DataParallel(..., axis_name={self.axis_name!r})"
+            ) from None
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"fdp.SyncBatchNorm: expected {self.num_features} channels (dim 1) in an input "

@@ -271,3 +271,25 @@ def test_a_layer_shared_by_the_replicas_updates_its_statistics_once(momentum: fl
     torch.testing.assert_close(layer.running_mean, want.running_mean)
     torch.testing.assert_close(layer.running_var, want.running_var)
     assert layer.num_batches_tracked.item() == 3
+
+
+def test_an_unbound_axis_names_the_layer_and_the_axis_name_to_give() -> None:
+    # Through fdp.DataParallel without axis_name: the user never called fdp.all_gather, so the
+    # error names the layer and where its axis_name goes.
+    model = fdp.SyncBatchNorm.convert_sync_batchnorm(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), "batch"
+    )
+    wrapped = fdp.DataParallel(model, device_ids=cpus(2))
+    with pytest.raises(
+        NameError,
+        match=r"unbound axis name: batch \(fdp\.SyncBatchNorm: the function being mapped was given no "
+        r"axis_name\).*fdp\.DataParallel\(\.\.\., axis_name='batch'\)",
+    ):
+        wrapped(torch.randn(8, 3))
+
+
+def test_an_unhashable_axis_name_is_refused() -> None:
+    with pytest.raises(
+        TypeError, match=r"fdp\.SyncBatchNorm: axis_name must be hashable, as fdp\.pmap's is, got \['batch'\]"
+    ):
+        fdp.SyncBatchNorm(3, axis_name=["batch"])
