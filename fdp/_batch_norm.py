@@ -52,6 +52,10 @@ class SyncBatchNorm(_BatchNorm):
     share (called from the mapped function's closure) gets each update once: every replica
     writes the same new values, computed from the values before the call.
 
+    Checkpoint activations (``torch.utils.checkpoint``) around the pmapped call, not around
+    the layer inside the mapped function: the recomputation runs in the backward pass, outside
+    the replicas, where the layer is an ordinary batch norm on the shard.
+
     The exchange is a collective, so a graph break for ``torch.compile``: under
     ``fdp.pmap(..., compile=True)`` pmap the module itself (``fdp.pmap(model, compile=True)``,
     without running statistics to update); :func:`fdp.stateful_call` in compiled code needs

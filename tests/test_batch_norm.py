@@ -293,3 +293,28 @@ def test_an_unhashable_axis_name_is_refused() -> None:
         TypeError, match=r"fdp\.SyncBatchNorm: axis_name must be hashable, as fdp\.pmap's is, got \['batch'\]"
     ):
         fdp.SyncBatchNorm(3, axis_name=["batch"])
+
+
+def test_activation_checkpointing_around_the_pmapped_call() -> None:
+    # The documented way to checkpoint SyncBatchNorm layers: the recomputation reruns the
+    # pmapped call, so the layers exchange their statistics again (inside the mapped function,
+    # the recomputation would run outside the replicas).
+    model = make_model(nn.BatchNorm1d).double()
+    x = input_for(nn.BatchNorm1d, 11)
+    want_y, want_grads, _ = one_device_step(model, x)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    params = {k: v.detach().requires_grad_() for k, v in synced.named_parameters()}
+    buffers = {k: v.clone() for k, v in synced.named_buffers()}
+    step = fdp.pmap(
+        lambda params, buffers, x: fdp.stateful_call(synced, params, buffers, (x,))[0],
+        in_axes=(None, None, 0),
+        axis_name="batch",
+        devices=cpus(3),
+    )
+    xg = x.clone().requires_grad_()
+    y = torch.utils.checkpoint.checkpoint(step, params, buffers, xg, use_reentrant=False)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    grads = torch.autograd.grad((y * weights).sum(), [xg, *params.values()])
+    torch.testing.assert_close(y, want_y)
+    for name, grad in zip(["x", *params], grads):
+        torch.testing.assert_close(grad, want_grads[name], msg=lambda m, name=name: f"{name}: {m}")
