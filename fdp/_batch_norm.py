@@ -42,8 +42,11 @@ class SyncBatchNorm(_BatchNorm):
 
     Outside any mapped function (a plain call on one device) it is an ordinary batch norm, as
     ``nn.SyncBatchNorm`` is without a process group; in evaluation mode it uses the running
-    statistics and exchanges nothing. Inside a function mapped with another ``axis_name`` (or
-    none), a call in training mode raises ``NameError``, naming the ``axis_name`` to give.
+    statistics and exchanges nothing (without running statistics, ``track_running_stats=False``,
+    it normalizes with the whole batch's in both modes, as ``nn.BatchNorm`` on one device does,
+    where ``nn.SyncBatchNorm`` would use each process's own in evaluation mode). Inside a
+    function mapped with another ``axis_name`` (or none), a call that exchanges raises
+    ``NameError``, naming the ``axis_name`` to give.
 
     It takes inputs of shape ``(N, C, *)``, as every ``BatchNorm*d`` does. The running
     statistics change in place, as ``nn.BatchNorm``'s do: run the module with

@@ -318,3 +318,13 @@ def test_activation_checkpointing_around_the_pmapped_call() -> None:
     torch.testing.assert_close(y, want_y)
     for name, grad in zip(["x", *params], grads):
         torch.testing.assert_close(grad, want_grads[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_evaluation_mode_without_running_statistics_uses_the_whole_batch() -> None:
+    # nn.BatchNorm(track_running_stats=False) normalizes with the batch's statistics in eval
+    # mode too: here the whole batch's, exchanged, as on one device.
+    model = make_model(nn.BatchNorm1d, track_running_stats=False).double().eval()
+    x = input_for(nn.BatchNorm1d, 10)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    f = fdp.pmap(lambda x: synced(x), axis_name="batch", devices=cpus(3))
+    torch.testing.assert_close(f(x), model(x))
