@@ -57,7 +57,7 @@ class SyncBatchNorm(_BatchNorm):
 
     Checkpoint activations (``torch.utils.checkpoint``) around the pmapped call, not around
     the layer inside the mapped function: the recomputation runs in the backward pass, outside
-    the replicas, where the layer is an ordinary batch norm on the shard.
+    the replicas, with no one to share statistics with, and raises ``RuntimeError`` saying so.
 
     The exchange is a collective, so a graph break for ``torch.compile``: under
     ``fdp.pmap(..., compile=True)`` pmap the module itself (``fdp.pmap(model, compile=True)``,
@@ -139,6 +139,19 @@ class SyncBatchNorm(_BatchNorm):
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
         if batch_statistics and _replica.current() is not None:
             return self._synced(input)
+        if batch_statistics and torch._C._current_graph_task_id() != -1:
+            # In a backward pass, outside any replica: a recomputation (torch.utils.checkpoint
+            # inside the mapped function), whose replicas are gone. As a plain batch norm it would
+            # normalize with the shard's statistics alone, and the gradients would be wrong,
+            # silently (reentrant checkpointing) or with an unclear CheckpointError.
+            raise RuntimeError(
+                "fdp.SyncBatchNorm ran with batch statistics during a backward pass, outside any "
+                "replica: most likely torch.utils.checkpoint inside the mapped function, "
+                "recomputing the layer after the replicas returned, where there is no one to "
+                "share statistics with. Checkpoint around the whole pmapped call instead (its "
+                "recomputation runs the replicas again), or checkpoint only regions without "
+                "the layer. (Outside fdp.pmap, use torch.nn.BatchNorm.)"
+            )
         # Running statistics, or one device's batch: no replica to share with. The running
         # statistics' update factor and batch counter, as nn.BatchNorm has them.
         factor = 0.0 if self.momentum is None else self.momentum

@@ -328,3 +328,22 @@ def test_evaluation_mode_without_running_statistics_uses_the_whole_batch() -> No
     synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
     f = fdp.pmap(lambda x: synced(x), axis_name="batch", devices=cpus(3))
     torch.testing.assert_close(f(x), model(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_of_the_layer_inside_the_mapped_function_is_refused(reentrant: bool) -> None:
+    # The recomputation runs in the backward pass, after the replicas returned: as a plain batch
+    # norm on the shard it gave wrong input gradients, silently with reentrant checkpointing.
+    layer = fdp.SyncBatchNorm(3, axis_name="i").double()
+    inner = lambda x: torch.utils.checkpoint.checkpoint(layer, x.sin(), use_reentrant=reentrant)  # noqa: E731
+    f = fdp.pmap(inner, axis_name="i", devices=cpus(2))
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    y = f(x)
+    with pytest.raises(
+        RuntimeError, match=r"fdp.SyncBatchNorm ran with batch statistics during a backward pass"
+    ):
+        (y * torch.arange(18.0, dtype=torch.float64).reshape(6, 3)).sum().backward()
+    # In evaluation mode the layer uses its running statistics: checkpointing it is fine.
+    layer.eval()
+    f(x).sum().backward()
+    assert x.grad is not None
