@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from . import _replica
+
 __all__ = ["functional_call", "stateful_call"]
 
 # The names of one tensor registered under several, and each name's module copy and leaf.
@@ -70,6 +72,8 @@ class _Skeleton:
             self._pairs.append((ref, copy))
             self._copies[id(original)] = (ref, copy)
         self.root = self._copies[id(root)][1]
+        # Each copy's name in the tree (as named_modules gives it), for messages.
+        self.names = [name for name, _ in root.named_modules()]
         self._copy_list = [copy for _, copy in self._pairs]
         # A module that torch.func.functional_call treats in a way of its own never takes the
         # direct swap (see by_path). (Nor does a scripted module: functional_call hands it to
@@ -333,6 +337,11 @@ def functional_call(
     not registered as children, say) is the original, not the skeleton's copy, and keeps its
     own tensors, as with ``nn.DataParallel``'s replicas; register it (``nn.ModuleList``).
 
+    Inside a pmapped function with several replicas, the module's own buffers (those ``params``
+    leaves out) are shared by the replicas: a ``forward`` that changes one in place (BatchNorm's
+    running statistics in training mode) raises ``RuntimeError`` naming it, where the replicas'
+    updates would race. Give the buffers (:func:`fdp.stateful_call`), or use evaluation mode.
+
     Args:
         module: the module to call. It is not modified.
         params: a dict from parameter and buffer names (as in ``module.named_parameters()``) to
@@ -388,10 +397,17 @@ def functional_call(
                 skeleton.root, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )
         keep = True
+        context = _replica.current()
+        # Replicas running at once share the module's own buffers (those params does not give):
+        # an in-place update there (BatchNorm's running statistics in training mode) races.
+        shared = _own_buffers(skeleton, params) if context is not None and context.size > 1 else None
         try:
-            return skeleton.root(*(args if isinstance(args, tuple) else (args,)), **(kwargs or {}))
+            result = skeleton.root(*(args if isinstance(args, tuple) else (args,)), **(kwargs or {}))
         finally:
             _write_back(swapped, params)  # type: ignore[arg-type]
+        if shared:
+            _check_own_buffers(shared, context)
+        return result
     except BaseException:
         references = None  # a failed call leaves no graph behind (its traceback holds copies)
         raise
@@ -400,6 +416,31 @@ def functional_call(
 
 
 _Swapped = list[tuple[str, dict[str, Any], str, Any]]
+
+
+def _own_buffers(skeleton: _Skeleton, params: Any) -> list[tuple[str, torch.Tensor, int]]:
+    """The module's own buffers in the skeleton (those ``params`` does not give), with their
+    names and version counters, after the swap."""
+    given = {id(value) for value in params.values()}
+    own = []
+    for prefix, copy in zip(skeleton.names, skeleton._copy_list):
+        for leaf, tensor in copy.__dict__.get("_buffers", {}).items():
+            if tensor is not None and id(tensor) not in given:
+                own.append((f"{prefix}.{leaf}" if prefix else leaf, tensor, tensor._version))
+    return own
+
+
+def _check_own_buffers(own: list[tuple[str, torch.Tensor, int]], context: Any) -> None:
+    changed = [name for name, tensor, version in own if tensor._version != version]
+    if changed:
+        raise RuntimeError(
+            f"fdp.functional_call: forward changed the module's own buffer{'s' if len(changed) > 1 else ''} "
+            f"{', '.join(map(repr, changed[:4]))}{' and more' if len(changed) > 4 else ''} in place, in "
+            f"replica {context.index} of {context.size}, but the replicas share the module's own "
+            "buffers (params does not give them): their updates race and are lost, silently. Pass "
+            "the buffers in and take the new values back with fdp.stateful_call (BatchNorm's "
+            "running statistics in training mode, say), or call the module in evaluation mode."
+        )
 
 
 def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | None:

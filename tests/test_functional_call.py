@@ -792,3 +792,35 @@ def test_a_parametrized_tensor_given_with_its_originals_leaves_them_as_they_were
     out = fdp.functional_call(net, {**dict(net.named_parameters()), "0.weight": weight}, (x,))
     torch.testing.assert_close(out, x @ weight.T + net[0].bias)
     assert torch.equal(original, before)
+
+
+def test_replicas_changing_the_modules_own_buffers_in_place_is_an_error() -> None:
+    # BatchNorm in training mode, its buffers not given: every replica updated the module's own
+    # running statistics, shared by all, on top of the others' (2 replicas: 2 batches counted).
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    params = dict(model.named_parameters())
+    x = torch.randn(8, 3)
+    f = fdp.pmap(lambda p, x: fdp.functional_call(model, p, (x,)), in_axes=(None, 0), devices=["cpu"] * 2)
+    with pytest.raises(
+        RuntimeError,
+        match=r"fdp.functional_call: forward changed the module's own buffer '1.num_batches_tracked' "
+        r"in place, in replica \d of 2, but the replicas share .*fdp.stateful_call",
+    ):
+        f(params, x)
+    # Given, the buffers are the caller's to share or not: each replica gets its own copies here.
+    model[1].reset_running_stats()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    g = fdp.pmap(
+        lambda p, b, x: fdp.stateful_call(model, p, b, (x,))[1]["1.num_batches_tracked"],
+        in_axes=(None, None, 0),
+        devices=["cpu"] * 2,
+    )
+    assert g(params, buffers, x).tolist() == [1, 1]
+    # One replica shares with no one; in evaluation mode nothing changes.
+    one = fdp.pmap(lambda p, x: fdp.functional_call(model, p, (x,)), in_axes=(None, 0), devices=["cpu"])
+    model[1].reset_running_stats()
+    one(params, x)
+    assert int(model[1].num_batches_tracked) == 1
+    model.eval()
+    f(params, x)
+    assert int(model[1].num_batches_tracked) == 1
