@@ -107,6 +107,9 @@ def test_in_axes_not_a_prefix_names_the_key_path() -> None:
         ("0", r"in_axes must be an int or None, got str: '0'"),
         ((0, 1.0), r"in_axes\[1\] must be an int or None, got float"),
         ((True,), r"in_axes\[0\] must be an int or None, got bool"),
+        # PER_REPLICA is an out_axes leaf only: an input's placement comes from its PerReplica
+        # leaves, not from the specification.
+        ((0, fdp.PER_REPLICA), r"in_axes\[1\] must be an int or None, got _PerReplicaAxis: fdp.PER_REPLICA"),
     ],
 )
 def test_in_axes_leaves_must_be_ints_or_none(spec: object, match: str) -> None:
@@ -115,6 +118,20 @@ def test_in_axes_leaves_must_be_ints_or_none(spec: object, match: str) -> None:
         fdp.pmap(lambda x: x, in_axes=spec)
     with pytest.raises(TypeError, match=r"^fdp\.scatter: " + match):
         fdp.scatter(torch.zeros(2), ["cpu"] * 2, in_axes=spec)
+
+
+def test_not_a_prefix_error_spells_broadcast_as_none_and_shortens_long_lines() -> None:
+    # The specification is printed as the caller wrote it (None, not fdp's internal marker);
+    # optree's details list every key, which for a state dict of many entries must not flood
+    # the message.
+    f = fdp.pmap(lambda x, w: x, in_axes=(0, {"a": None}), devices=cpus(2))
+    many = {f"layer{i}.weight": torch.zeros(2) for i in range(100)}
+    with pytest.raises(ValueError, match=r"in_axes=\(0, \{'a': None\}\) does not match") as info:
+        f(torch.zeros(2), many)
+    details = str(info.value).splitlines()[1:]
+    assert any(line.endswith(" ...") for line in details)
+    assert max(len(line) for line in details) <= 300 + len(" ...")
+    assert "in_axes=(0, {'a': None})" in repr(f)
 
 
 def test_out_axes_leaves_must_be_ints_or_none() -> None:

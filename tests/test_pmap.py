@@ -434,6 +434,19 @@ def test_copies_and_pickles_take_the_configuration_not_what_calls_learned(n: int
     assert copy.deepcopy(compiled)._compiled is not compiled._compiled  # compiled afresh
 
 
+def test_copies_and_pickles_keep_unmapped_axes_unmapped() -> None:
+    # None in a specification is held as one marker object that fdp compares by identity: a
+    # copy must get that very object back, not a lookalike that reads as a mapped axis.
+    import copy
+    import pickle
+
+    mapped = fdp.pmap(torch.mul, in_axes=(0, None), devices=cpus(2))
+    x, w = torch.randn(4, 3), torch.randn(3)
+    for twin in (copy.deepcopy(mapped), pickle.loads(pickle.dumps(mapped))):
+        torch.testing.assert_close(twin(x, w), x * w)
+        assert repr(twin) == repr(mapped)
+
+
 def test_dataclass_without_init_is_a_clear_error() -> None:
     @dataclasses.dataclass(init=False)
     class NoInit:

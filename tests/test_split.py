@@ -23,6 +23,10 @@ def test_balanced_sizes_differ_by_at_most_one(size: int, n: int) -> None:
     assert list(sizes) == sorted(sizes, reverse=True)
 
 
-def test_empty_is_rejected() -> None:
-    with pytest.raises(ValueError):
-        shard_sizes(0, 2, "chunk")
+@pytest.mark.parametrize("split", ["chunk", "balanced"])
+@pytest.mark.parametrize(("size", "n"), [(0, 2), (-1, 2), (5, 0)])
+def test_no_rows_or_no_devices_is_rejected(size: int, n: int, split: str) -> None:
+    # A ValueError that says so, not a ZeroDivisionError from the arithmetic (torch.chunk too
+    # refuses 0 chunks).
+    with pytest.raises(ValueError, match=f"cannot split {size} rows over {n} devices"):
+        shard_sizes(size, n, split)  # type: ignore[arg-type]
