@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
@@ -76,6 +78,45 @@ def test_gather_errors() -> None:
         fdp.gather([torch.ones(1, 2), torch.ones(1, 3)], "cpu")
     with pytest.raises(ValueError, match="at least one tree"):
         fdp.gather([], "cpu")
+    # Only all-0-dim values are stacked; a 0-dim value beside a vector is a rank mismatch.
+    with pytest.raises(
+        ValueError,
+        match=r"cannot concatenate output along out_axes 0: the replicas returned float32\[\], float32\[1\]",
+    ):
+        fdp.gather([torch.tensor(1.0), torch.ones(1)], "cpu")
+
+
+def test_nan_non_tensor_outputs_are_equal() -> None:
+    # Replicas computing the same float NaN agree (float("nan") is a new object each time).
+    out = fdp.gather([(torch.ones(1), float("nan")), (torch.ones(1), float("nan"))], "cpu")
+    assert math.isnan(out[1])
+
+
+@pytest.mark.parametrize(
+    ("other", "agree"),
+    [
+        (lambda t: t, True),
+        (lambda t: t.expand(3).clone(), False),  # equal values broadcast, not the same shape
+        (lambda t: t.double(), False),  # equal values, another dtype
+        (lambda t: t + 1, False),
+    ],
+    ids=["same", "shape", "dtype", "values"],
+)
+def test_checked_unmapped_outputs_compare_shape_dtype_and_values_nan_equal(
+    other: Callable[[torch.Tensor], torch.Tensor], agree: bool
+) -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nan = x.sum() * float("nan")  # NaN in the same place on every replica: equal
+        value = torch.ones(1)
+        return nan, value if fdp.axis_index("i") == 0 else other(value)
+
+    mapped = fdp.pmap(f, axis_name="i", out_axes=None, devices=["cpu"] * 2, check_unmapped_outputs=True)
+    if agree:
+        nan, value = mapped(torch.ones(4))
+        assert nan.isnan() and torch.equal(value, torch.ones(1))
+    else:
+        with pytest.raises(ValueError, match=r"out_axes is None for output\[1\], but the replicas disagree"):
+            mapped(torch.ones(4))
 
 
 @pytest.mark.parametrize("shape", [(2,), ()])

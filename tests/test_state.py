@@ -201,6 +201,22 @@ def test_per_replica_outputs_never_alias_inputs_or_each_other(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
+def test_one_fresh_tensor_returned_twice_per_replica_becomes_two_states(n: int) -> None:
+    # Resident state may be updated in place, one leaf at a time: two leaves made from one
+    # tensor must not move together.
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y, y
+
+    first, second = fdp.pmap(step, devices=cpus(n), out_axes=fdp.PER_REPLICA)(torch.ones(2 * n, 3))
+    for r in range(n):
+        first[r].add_(1)
+        assert torch.equal(first[r], torch.full((2, 3), 3.0)) and torch.equal(
+            second[r], torch.full((2, 3), 2.0)
+        )
+
+
+@pytest.mark.parametrize("n", [1, 2])
 def test_per_replica_pass_through_is_not_copied(n: int) -> None:
     state = fdp.device_put_replicated({"w": torch.zeros(2)}, cpus(n))
     new = fdp.pmap(lambda s, x: s, devices=cpus(n), out_axes=fdp.PER_REPLICA)(state, torch.zeros(2))
