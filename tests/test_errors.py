@@ -26,6 +26,24 @@ def test_inconsistent_sizes_name_every_group() -> None:
     )
 
 
+def test_inconsistent_sizes_list_the_groups_largest_first() -> None:
+    # As JAX does: the most common size first whatever the argument order, and only that group
+    # called "most".
+    f = fdp.pmap(lambda *args: args[0], devices=cpus(2))
+    with pytest.raises(ValueError) as info:
+        f(
+            torch.zeros(7),
+            torch.zeros(6),
+            {"a": torch.zeros(8), "b": torch.zeros(8), "c": torch.zeros(8)},
+            torch.zeros(6),
+        )
+    assert str(info.value).splitlines()[1:] == [
+        "  * most axes (3 of them) had size 8, e.g. axis 0 of args[2]['a'] of type float32[8];",
+        "  * some axes (2 of them) had size 6, e.g. axis 0 of args[1] of type float32[6];",
+        "  * one axis had size 7: axis 0 of args[0] of type float32[7]",
+    ]
+
+
 def test_rank_too_small_names_the_leaf_and_axis() -> None:
     f = fdp.pmap(lambda x, s: x, in_axes=(1, 0), devices=cpus(2))
     with pytest.raises(
@@ -85,6 +103,11 @@ def test_an_array_that_is_not_a_tensor_under_an_int_axis_is_refused(devices: int
         devices=cpus(devices),
     )
     assert g(torch.zeros(4, 2), np.ones((3, 2)), np.array(2.0)).tolist() == [[2.0, 2.0]] * 4
+    # An array given axis None is whole by request, and maps nothing: no hint about arrays.
+    nothing = fdp.pmap(lambda x, y: x, in_axes=(None, 0), devices=cpus(devices))
+    with pytest.raises(ValueError, match="found no tensor to map") as info:
+        nothing(np.zeros((4, 3)), 1.0)
+    assert "numpy" not in str(info.value)
 
 
 def test_in_axes_not_a_prefix_names_the_key_path() -> None:
