@@ -223,6 +223,29 @@ def test_per_replica_pass_through_is_not_copied(n: int) -> None:
     assert all(a is b for a, b in zip(new["w"], state["w"]))
 
 
+def test_unreplicate_takes_replica_0_by_default_and_counts_back_to_minus_n() -> None:
+    # Replicas holding different values tell the indices apart (as a Python list would).
+    values = [torch.full((2,), float(r)) for r in range(3)]
+    state = {"w": fdp.PerReplica(values, [torch.device("cpu")] * 3), "n": 7}
+    assert fdp.unreplicate(state)["w"] is values[0] and fdp.unreplicate(state)["n"] == 7
+    for index in range(-3, 3):
+        assert fdp.unreplicate(state, index)["w"] is values[index]
+
+
+def test_copies_and_pickles_keep_per_replica_outputs_per_replica() -> None:
+    # PER_REPLICA is one marker object that fdp compares by identity: a copied or unpickled
+    # pmap must get that very object back, not a lookalike read as something else.
+    import copy
+    import pickle
+
+    mapped = fdp.pmap(torch.neg, devices=cpus(2), out_axes=fdp.PER_REPLICA)
+    x = torch.randn(4, 3)
+    for twin in (copy.deepcopy(mapped), pickle.loads(pickle.dumps(mapped))):
+        out = twin(x)
+        assert isinstance(out, fdp.PerReplica)
+        torch.testing.assert_close(torch.cat(list(out)), -x)
+
+
 def test_unreplicate_out_of_range_names_the_index_and_replica_count() -> None:
     state = fdp.device_put_replicated({"opt": {"w": torch.ones(2)}, "n": 0}, cpus(2))
     assert torch.equal(fdp.unreplicate(state, -1)["opt"]["w"], state["opt"]["w"][1])  # as Python counts
