@@ -472,7 +472,13 @@ def test_state_structure_is_stable_across_steps() -> None:
     [
         (lambda: optim.sgd(-1.0), "lr must be non-negative"),
         (lambda: optim.sgd(0.1, nesterov=True), "Nesterov momentum needs momentum > 0"),
+        # torch.optim.SGD refuses Nesterov with dampening too, and Adam a second beta of 1.
+        (
+            lambda: optim.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
+            "Nesterov momentum needs momentum > 0 and dampening = 0",
+        ),
         (lambda: optim.adam(betas=(1.0, 0.9)), r"betas must be in \[0, 1\)"),
+        (lambda: optim.adam(betas=(0.9, 1.0)), r"betas must be in \[0, 1\)"),
         (lambda: optim.clip_by_global_norm(0.0), "max_norm must be positive"),
     ],
 )
@@ -520,6 +526,67 @@ def test_hyperparameters_torch_optim_refuses(
         make_torch()  # the oracle
     with pytest.raises(ValueError, match=rf"fdp\.optim\.\w+: {match} must be non-negative, got "):
         make()
+
+
+def test_clip_by_global_norm_matches_clip_grad_norm_for_tiny_norms() -> None:
+    # Where the norm is of the order of clip_grad_norm_'s 1e-6, its exact formula shows.
+    grads = {"g": torch.tensor([3e-6, 4e-6])}
+    clip = optim.clip_by_global_norm(1e-6)
+    clipped, _ = clip.update(grads, clip.init(None))
+    reference = torch.zeros(2, requires_grad=True)
+    reference.grad = grads["g"].clone()
+    torch.nn.utils.clip_grad_norm_([reference], 1e-6)
+    torch.testing.assert_close(clipped["g"], reference.grad, atol=0, rtol=1e-5)
+
+
+def test_chain_refuses_a_state_of_another_length() -> None:
+    params = {"w": torch.ones(2)}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
+    short = opt.init(params)[1:]
+    with pytest.raises(ValueError, match=r"^fdp\.optim\.chain: expected 2 states, got 1$"):
+        opt.update(params, short, params)
+    with pytest.raises(ValueError, match=r"^fdp\.optim\.chain: expected 2 states, got 1$"):
+        opt.apply_gradients(params, short, params)
+
+
+@pytest.mark.parametrize("path", ["update", "apply_gradients"])
+def test_first_momentum_is_a_copy_of_the_gradients(path: str) -> None:
+    # As torch.optim.SGD's momentum_buffer (torch.clone(grad)): zeroing the gradients in place
+    # afterwards, as zero_grad(set_to_none=False) does, leaves the momentum alone.
+    params, grads = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    opt = optim.sgd(0.1, momentum=0.9)
+    if path == "update":
+        _, state = opt.update(grads, opt.init(params), params)
+    else:
+        _, state = opt.apply_gradients(grads, opt.init(params), params)
+    weight = torch.ones(2, requires_grad=True)
+    reference = torch.optim.SGD([weight], 0.1, momentum=0.9)
+    weight.grad = torch.ones(2)
+    reference.step()
+    grads["w"].zero_()
+    weight.grad.zero_()
+    assert torch.equal(state.momentum["w"], reference.state[weight]["momentum_buffer"])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.sgd(0.1, momentum=0.9),
+        optim.adam,
+        optim.adamw,
+        lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1)),
+    ],
+)
+@pytest.mark.parametrize("path", ["update", "apply_gradients"])
+def test_one_step_from_params_that_require_grad_records_no_graph(make: Callable[[], Any], path: str) -> None:
+    # Each way of stepping on its own: the first step's outputs no longer require grad, so a
+    # loop of steps would test only its first.
+    params = {"w": torch.ones(3, requires_grad=True)}
+    opt = make()
+    step = getattr(opt, path)
+    out, state = step({"w": torch.ones(3)}, opt.init(params), params)
+    leaves = [t for t in optree.tree_leaves((out, state)) if isinstance(t, torch.Tensor)]
+    assert leaves and all(t.grad_fn is None and not t.requires_grad for t in leaves)
 
 
 def test_update_needs_params() -> None:
