@@ -26,6 +26,14 @@ def test_one_function_kwargs_and_inferred_devices() -> None:
     torch.testing.assert_close(out[1], torch.full((2,), 3.0))
 
 
+def test_only_a_tuple_spreads_into_arguments() -> None:
+    # As documented: a tuple is the positional arguments, anything else (a list of tensors
+    # included) is the one argument.
+    pieces = [torch.ones(2), torch.ones(3)]
+    out = fdp.parallel_apply(len, [pieces, (pieces,)], devices=cpus(2))
+    assert out == [len(pieces), len(pieces)]
+
+
 def test_runs_in_parallel_threads_with_caller_grad_mode() -> None:
     seen: list[tuple[str, bool]] = []
     lock = threading.Lock()
