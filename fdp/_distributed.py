@@ -944,11 +944,28 @@ def shard_batch(batch: Any, *, local_replicas: int = 1, split: _split.SplitRule 
     """
     from . import _tree  # local: _tree imports nothing from here, but keep this module light
 
-    leaves, spec = _tree.flatten(batch)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    if not tensors or world_size() == 1:
+    caller = "fdp.distributed.shard_batch"
+    # Checked in one process too: a script that runs alone must not change its meaning (nor
+    # start failing) under torchrun.
+    split = _split.check_split(split, what=f"{caller} split")
+    if isinstance(local_replicas, bool) or not isinstance(local_replicas, int) or local_replicas < 1:
+        raise ValueError(f"{caller}: local_replicas must be a positive int, got {local_replicas!r}")
+    paths, leaves, spec = _tree.flatten_with_paths(batch, "batch")
+    rows_of = {p: t.shape[0] for p, t in zip(paths, leaves) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(set(rows_of.values())) > 1:
+        # Each tensor would be cut at the same rows whatever its length: some rows of the
+        # longer ones would reach no process, silently.
+        shown = ", ".join(f"{p}: {n}" for p, n in rows_of.items())
+        raise ValueError(
+            f"{caller}: the batch's tensors must share dim 0 (every process takes the same rows "
+            f"of each), got {shown}. Pass the per-example tensors alone; give the others to every "
+            "process as they are."
+        )
+    if not rows_of or world_size() == 1:
         return batch
-    rows = tensors[0].shape[0]
+    rows = next(iter(rows_of.values()))
+    if rows == 0:
+        raise ValueError(f"{caller}: the batch is empty (dim 0 of {next(iter(rows_of))} has size 0)")
     replicas = world_size() * local_replicas
     sizes = list(_split.shard_sizes(rows, replicas, split)) + [0] * replicas
     if split == "chunk":

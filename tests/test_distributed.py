@@ -330,3 +330,35 @@ def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.Monk
     finally:
         fdp.distributed.shutdown()
     assert not dist.is_initialized()
+
+
+def test_shard_batch_checks_its_arguments_in_one_process_too() -> None:
+    # An unknown split was taken as "balanced", and tensors of different lengths were cut at the
+    # same rows (some rows of the longer reaching no process), silently.
+    x = torch.arange(6.0)
+    with pytest.raises(
+        ValueError,
+        match=r"fdp.distributed.shard_batch split must be one of \('chunk', 'balanced'\), got 'bogus'",
+    ):
+        fdp.distributed.shard_batch(x, split="bogus")  # type: ignore[arg-type]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"local_replicas must be a positive int, got"):
+            fdp.distributed.shard_batch(x, local_replicas=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must share dim 0 .*got batch\['x'\]: 6, batch\['y'\]: 5"):
+        fdp.distributed.shard_batch({"x": x, "y": torch.zeros(5)})
+    # 0-dim tensors and other values go to every process as they are.
+    batch = {"x": x, "scale": torch.tensor(2.0), "name": "b"}
+    assert fdp.distributed.shard_batch(batch) is batch
+
+
+def test_shard_batch_of_an_empty_batch_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fdp import _distributed
+
+    monkeypatch.setattr(_distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(_distributed, "rank", lambda: 0)
+    assert fdp.distributed.shard_batch(torch.arange(4.0)).tolist() == [0.0, 1.0]  # (the stand-in works)
+    with pytest.raises(
+        ValueError,
+        match=r"fdp.distributed.shard_batch: the batch is empty \(dim 0 of batch\[0\] has size 0\)",
+    ):
+        fdp.distributed.shard_batch((torch.zeros(0, 3),))
