@@ -119,9 +119,11 @@ class SyncBatchNorm(_BatchNorm):
             raise TypeError(
                 f"fdp.SyncBatchNorm: axis_name must be hashable, as fdp.pmap's is, got {axis_name!r}"
             ) from None
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
-        )
+        # Not bias=bias: torch's batch norms take it from 2.12 on only (fdp supports 2.4+). A
+        # parameter set to None is registered as absent, as torch's own bias=False does.
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        if affine and not bias:
+            self.bias = None  # type: ignore[assignment]
         self.axis_name = axis_name
 
     def extra_repr(self) -> str:
