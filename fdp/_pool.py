@@ -26,6 +26,7 @@ other replicas raised. The workers are unaffected and serve the next call.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import queue
@@ -240,15 +241,20 @@ _NULL_CONTEXT = _NullContext()
 
 
 def _note(error: BaseException, caller: str, text: str) -> None:
-    error.add_note(f"{caller}: {text}")
+    # An exception may refuse notes (a __notes__ that is not a list, an add_note of its own
+    # that raises): the failure being reported must still be the one raised, without them.
+    with contextlib.suppress(Exception):  # whatever a user's exception type does
+        error.add_note(f"{caller}: {text}")
 
 
 def _clear_old_notes(error: BaseException) -> None:
     # An exception object raised again in a later call (a module-level instance) keeps the
-    # notes of the first; only this call's should show.
-    notes = getattr(error, "__notes__", None)
-    if notes:
-        notes[:] = [n for n in notes if not n.startswith("fdp.")]
+    # notes of the first; only this call's should show. Notes need not be strings (a user may
+    # append anything to __notes__), nor __notes__ a list: those are left as they are.
+    with contextlib.suppress(Exception):  # a __notes__ property of a user's exception type
+        notes = getattr(error, "__notes__", None)
+        if isinstance(notes, list) and notes:
+            notes[:] = [n for n in notes if not (isinstance(n, str) and n.startswith("fdp."))]
 
 
 def _primary_error(

@@ -95,6 +95,39 @@ def test_an_exception_whose_str_fails_is_still_the_one_raised(axis_name: str | N
     assert info.value.__notes__[1].endswith(f"also failed: {kind.__name__}: <exception str() failed>")
 
 
+class _FrozenNotes(Exception):
+    __notes__ = ("set by the class",)  # not a list: add_note refuses it
+
+
+class _NoNotes(Exception):
+    def add_note(self, note: str) -> None:
+        raise RuntimeError("this exception takes no notes")
+
+
+class _OddNotes(Exception):
+    def __init__(self) -> None:
+        super().__init__("odd notes")
+        self.__notes__ = [42]  # a note need not be a string (the traceback prints its repr)
+
+
+@pytest.mark.parametrize("kind", [_FrozenNotes, _NoNotes, _OddNotes])
+@pytest.mark.parametrize(("n", "axis_name"), [(1, None), (1, "i"), (2, None), (2, "i")])
+def test_an_exception_that_refuses_notes_is_still_the_one_raised(
+    n: int, axis_name: str | None, kind: type
+) -> None:
+    # Adding the notes must not replace the failure reported with a TypeError of its own.
+    def f(x):
+        if axis_name is not None:
+            fdp.psum(x, axis_name)
+        raise kind()
+
+    with pytest.raises(kind):
+        fdp.pmap(f, devices=cpus(n), axis_name=axis_name)(torch.zeros(n))
+    if axis_name is None:
+        with pytest.raises(kind):
+            fdp.parallel_apply(f, [torch.zeros(1)] * n, devices=cpus(n))
+
+
 def test_interrupt_while_waiting_keeps_the_other_replicas_errors() -> None:
     # A real KeyboardInterrupt in the waiting caller, in a child process so that a stray signal
     # cannot reach the test runner.
