@@ -81,6 +81,9 @@ class _Worker(threading.Thread):
 
     def start_and_wait(self) -> None:
         self.start()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
         self._ready.wait()
 
     def run(self) -> None:
@@ -147,8 +150,13 @@ def _workers_for(devices: Sequence[torch.device]) -> list[_Worker]:
             continue
         worker = _WORKERS.get((device, number))
         if worker is None:
-            worker = _WORKERS[(device, number)] = _Worker(device, number)
-            worker.start_and_wait()
+            worker = _Worker(device, number)
+            # Registered only once its thread runs: a start that fails (the process or its
+            # container is at its thread limit) must leave no worker that would never take the
+            # tasks queued on it, which every later call's caller would wait for forever.
+            worker.start()
+            _WORKERS[(device, number)] = worker
+            worker.wait_ready()
         workers.append(worker)
     return workers
 

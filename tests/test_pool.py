@@ -56,6 +56,28 @@ def test_worker_that_cannot_start_fails_its_replicas_instead_of_hanging(
     _pool._WORKERS[key].tasks.put(None)
 
 
+def test_a_worker_thread_that_fails_to_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The process at its thread limit: the call fails, and once threads can start again the
+    # next call works. A worker left registered without a thread would take the next call's
+    # replica 1, and replica 0 would wait for it in the psum forever.
+    monkeypatch.setattr(_pool, "_WORKERS", {})  # this test's own workers, stopped below
+    start = _pool._Worker.start
+
+    def refuse(self: _pool._Worker) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_pool._Worker, "start", refuse)
+    f = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=cpus(2))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        finishes(lambda: f(torch.ones(2)))
+    monkeypatch.setattr(_pool._Worker, "start", start)
+    try:
+        torch.testing.assert_close(finishes(lambda: f(torch.ones(2))), torch.full((2,), 2.0))
+    finally:
+        for worker in _pool._WORKERS.values():
+            worker.tasks.put(None)
+
+
 def test_same_exception_object_from_several_replicas() -> None:
     shared = ValueError("shared")
 
