@@ -45,6 +45,10 @@ def parallel_apply(
     Returns:
         The replicas' results, in order.
 
+    Raises:
+        RuntimeError: called inside a mapped function, or under a ``torch.func`` transform
+            (whose result the replicas in other threads would silently escape).
+
     Examples:
         >>> import torch, fdp
         >>> fdp.parallel_apply(torch.square, [(torch.tensor(2.0),), (torch.tensor(3.0),)],
@@ -52,6 +56,18 @@ def parallel_apply(
         [tensor(4.), tensor(9.)]
     """
     caller = "fdp.parallel_apply"
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        # As for fdp.pmap: replica 0 would run under the transform and the others not, so part
+        # of the result would silently be wrong (zero gradients), and which part would depend
+        # on which replicas the caller happened to run itself. Refused for one input too, so
+        # that whether a call works does not depend on how many inputs it gets.
+        raise RuntimeError(
+            f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, ...). "
+            "The replicas run in other threads, where the transform cannot follow, and its "
+            "result would be silently wrong (zero gradients). Apply the transform inside the "
+            "functions instead, e.g. fdp.parallel_apply(torch.func.grad(loss_fn), inputs), or "
+            "use torch.autograd (loss.backward()) on the results."
+        )
     n = len(inputs)
     if n == 0:
         raise ValueError(f"{caller} needs at least one input, got an empty sequence")

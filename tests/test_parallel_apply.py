@@ -76,3 +76,19 @@ def test_length_mismatches() -> None:
         fdp.parallel_apply(abs, [])
     with pytest.raises(TypeError, match="fns must be a callable or a sequence"):
         fdp.parallel_apply(3, [1])  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("on_workers")  # replica 1 on its worker, outside the transform
+@pytest.mark.parametrize("n", [1, 2])
+def test_outer_torch_func_transform_is_refused(n: int) -> None:
+    # Replica 1's part of the gradient came back as zeros (silently) when its worker ran it.
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return sum(fdp.parallel_apply(lambda v: (v**2).sum(), list(x.chunk(n)), devices=cpus(n)))
+
+    with pytest.raises(RuntimeError, match="fdp.parallel_apply was called under a torch.func transform"):
+        torch.func.grad(loss)(torch.arange(4.0))
+    with pytest.raises(RuntimeError, match="fdp.parallel_apply was called under a torch.func transform"):
+        torch.func.vmap(loss)(torch.ones(3, 4))
+    torch.testing.assert_close(
+        torch.func.grad(lambda x: (x**2).sum())(torch.arange(4.0)), 2 * torch.arange(4.0)
+    )
