@@ -73,6 +73,7 @@ class _Worker(threading.Thread):
     def __init__(self, device: torch.device, number: int) -> None:
         super().__init__(name=f"fdp-worker-{device}-{number}", daemon=True)
         self.device = device
+        self.number = number
         self.tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stream: Any = None  # torch.cuda.Stream on CUDA devices
         self.init_error: BaseException | None = None
@@ -159,6 +160,20 @@ def _workers_for(devices: Sequence[torch.device]) -> list[_Worker]:
             worker.wait_ready()
         workers.append(worker)
     return workers
+
+
+def _retire(workers: Sequence[_Worker]) -> None:
+    """Takes ``workers`` out of the pool: the next call that needs one starts a new worker.
+
+    Each leaves its loop once it has run what is already queued on it (if its replica ever
+    returns); tasks of a call whose caller stopped waiting return at once.
+    """
+    with _SUBMIT_LOCK:
+        for worker in workers:
+            key = (worker.device, worker.number)
+            if _WORKERS.get(key) is worker:
+                del _WORKERS[key]
+            worker.tasks.put(None)
 
 
 def idle() -> bool:
@@ -434,6 +449,8 @@ def run_replicas(
                 waited = min(time.perf_counter() - submitted_at[0], _MAX_WAKE_SECONDS)
                 _wake_seconds = 0.9 * _wake_seconds + 0.1 * waited
             worker = workers[i - 1] if i > 0 and not inline else None
+            if group.done:
+                return  # the caller stopped waiting for this call (see _retire): nothing to run for
             try:
                 if worker is not None and worker.init_error is not None:
                     raise RuntimeError(
@@ -522,7 +539,24 @@ def run_replicas(
                 if latch:
                     latch[0].count_down()
         if latch:
-            latch[0].wait()  # the replicas that never ran were never handed over
+            try:
+                latch[0].wait()  # the replicas that never ran were never handed over
+            except BaseException as again:
+                # Interrupted again: a replica is still running (blocked in user code, say) and
+                # the caller stops waiting for it. Its worker is retired, and later calls get a
+                # new one: queued behind a replica that may never return, theirs would wait
+                # forever, silently.
+                running = [i for i in range(1, n) if i not in counted]
+                _retire([workers[i - 1] for i in running])
+                _note(
+                    again,
+                    caller,
+                    "interrupted again: stopped waiting for "
+                    + ", ".join(f"replica {i} (device {devices[i]})" for i in running)
+                    + ", still running; the worker threads running them were replaced, and "
+                    "they end in the background if they ever return",
+                )
+                raise
         for i, failure in enumerate(errors):
             if (
                 failure is not None

@@ -144,6 +144,46 @@ def test_real_interrupt_during_a_long_call_in_a_child_process() -> None:
     assert "next [2.0, 2.0] idle True" in result.stdout
 
 
+def test_escaping_a_blocked_replica_leaves_later_calls_working() -> None:
+    # Replica 1 blocks in user code (a deadlock of its own): the first SIGINT lands in replica 0,
+    # waiting for it in the psum; the second in the caller, waiting for replica 1 to return; the
+    # third makes the caller stop waiting. Later calls must not queue behind the blocked replica
+    # on its worker: the next call with a collective used to wait forever, silently.
+    script = textwrap.dedent(
+        """
+        import signal, threading, time, torch, fdp
+        from fdp import _pool
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _pool.INLINE_REPLICAS = False
+        main, release = threading.main_thread().ident, threading.Event()
+        def body(x):
+            if fdp.axis_index("i") == 1:
+                release.wait()
+            return fdp.psum(x, "i")
+        def interrupt():
+            for _ in range(3):
+                time.sleep(0.5)
+                signal.pthread_kill(main, signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
+        except KeyboardInterrupt as interrupted:
+            print("notes:", getattr(interrupted, "__notes__", []))
+        g = fdp.pmap(lambda x: fdp.psum(x, "j"), axis_name="j", devices=["cpu", "cpu"])
+        out = []
+        call = threading.Thread(target=lambda: out.append(g(torch.ones(2)).tolist()), daemon=True)
+        call.start()
+        call.join(20)
+        print("next", out, "idle", _pool.idle())
+        release.set()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "stopped waiting for replica 1 (device cpu), still running" in result.stdout, result.stdout
+    assert "next [[2.0, 2.0]] idle True" in result.stdout, result.stdout
+
+
 def test_many_failures_in_a_row_leave_nothing_behind() -> None:
     f = fdp.pmap(injected_at("before"), axis_name="i", devices=cpus(4))
     threads = threading.active_count()
