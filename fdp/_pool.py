@@ -486,6 +486,34 @@ def run_replicas(
 
     tasks = [make_task(i) for i in range(n)]
 
+    gave_up: list[BaseException] = []  # the interrupt that ended the wait
+
+    def wait_for_workers(*, interrupted: bool) -> None:
+        """Waits for the replicas handed to workers. Once the caller has been interrupted, another
+        interrupt ends the wait: a replica still running (blocked in user code, say) may never
+        return. Its worker is retired (see :func:`_retire`), so that later calls get a new one
+        rather than queue behind it and wait forever, silently."""
+        if not latch:
+            return
+        if not interrupted:
+            latch[0].wait()
+            return
+        try:
+            latch[0].wait()
+        except BaseException as again:
+            gave_up.append(again)
+            running = [i for i in range(1, n) if i not in counted]
+            _retire([workers[i - 1] for i in running])
+            _note(
+                again,
+                caller,
+                "interrupted again: stopped waiting for "
+                + ", ".join(f"replica {i} (device {devices[i]})" for i in running)
+                + ", still running; the worker threads running them were replaced, and "
+                "they end in the background if they ever return",
+            )
+            raise
+
     def submit() -> None:
         with _SUBMIT_LOCK:
             found = _workers_for(devices)
@@ -529,34 +557,19 @@ def run_replicas(
                 if claims[i].acquire(blocking=False):
                     stolen.append(i)
                     tasks[i](inline=True)
-        if latch:
-            latch[0].wait()
+        # An interrupt that landed in a replica the caller ran (replica 0 waiting in a
+        # collective, say) was the first: the next one ends the wait.
+        wait_for_workers(interrupted=any(isinstance(errors[i], KeyboardInterrupt) for i in (0, *stolen)))
     except BaseException as interrupt:  # KeyboardInterrupt while waiting
+        if gave_up:
+            raise  # the caller has stopped waiting
         group.abort(0, interrupt)
         for i in stolen:  # interrupted around a replica the caller ran: no one else counts it
             if i not in counted:
                 group.finish(i)
                 if latch:
                     latch[0].count_down()
-        if latch:
-            try:
-                latch[0].wait()  # the replicas that never ran were never handed over
-            except BaseException as again:
-                # Interrupted again: a replica is still running (blocked in user code, say) and
-                # the caller stops waiting for it. Its worker is retired, and later calls get a
-                # new one: queued behind a replica that may never return, theirs would wait
-                # forever, silently.
-                running = [i for i in range(1, n) if i not in counted]
-                _retire([workers[i - 1] for i in running])
-                _note(
-                    again,
-                    caller,
-                    "interrupted again: stopped waiting for "
-                    + ", ".join(f"replica {i} (device {devices[i]})" for i in running)
-                    + ", still running; the worker threads running them were replaced, and "
-                    "they end in the background if they ever return",
-                )
-                raise
+        wait_for_workers(interrupted=True)  # the replicas that never ran were never handed over
         for i, failure in enumerate(errors):
             if (
                 failure is not None

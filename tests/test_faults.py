@@ -144,12 +144,14 @@ def test_real_interrupt_during_a_long_call_in_a_child_process() -> None:
     assert "next [2.0, 2.0] idle True" in result.stdout
 
 
-def test_escaping_a_blocked_replica_leaves_later_calls_working() -> None:
-    # Replica 1 blocks in user code (a deadlock of its own): the first SIGINT lands in replica 0,
-    # waiting for it in the psum; the second in the caller, waiting for replica 1 to return; the
-    # third makes the caller stop waiting. Later calls must not queue behind the blocked replica
-    # on its worker: the next call with a collective used to wait forever, silently.
-    script = textwrap.dedent(
+@pytest.mark.parametrize("collective", [True, False])
+def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool) -> None:
+    # Replica 1 blocks in user code (a deadlock of its own). The first SIGINT lands in replica 0,
+    # waiting for it in the psum, or in the caller, waiting for it to return; either way the
+    # caller then waits for it, and the second SIGINT makes it stop waiting (in the psum case it
+    # took a third). The next call with a collective must not queue behind the blocked replica
+    # on its worker: it used to wait forever, silently.
+    script = f"COLLECTIVE = {collective}\n" + textwrap.dedent(
         """
         import signal, threading, time, torch, fdp
         from fdp import _pool
@@ -159,9 +161,9 @@ def test_escaping_a_blocked_replica_leaves_later_calls_working() -> None:
         def body(x):
             if fdp.axis_index("i") == 1:
                 release.wait()
-            return fdp.psum(x, "i")
+            return fdp.psum(x, "i") if COLLECTIVE else x
         def interrupt():
-            for _ in range(3):
+            for _ in range(2):
                 time.sleep(0.5)
                 signal.pthread_kill(main, signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
