@@ -151,12 +151,16 @@ def _workers_for(devices: Sequence[torch.device]) -> list[_Worker]:
             continue
         worker = _WORKERS.get((device, number))
         if worker is None:
-            worker = _Worker(device, number)
-            # Registered only once its thread runs: a start that fails (the process or its
-            # container is at its thread limit) must leave no worker that would never take the
-            # tasks queued on it, which every later call's caller would wait for forever.
-            worker.start()
-            _WORKERS[(device, number)] = worker
+            worker = _WORKERS[(device, number)] = _Worker(device, number)
+            try:
+                worker.start()
+            except Exception:
+                # Its thread did not start (the process or its container is at its thread
+                # limit): no worker may stay that would never take the tasks queued on it,
+                # which every later call's caller would wait for forever. (An interrupt is no
+                # Exception: it lands in start's wait for the thread, which then runs, and stays.)
+                del _WORKERS[(device, number)]
+                raise
             worker.wait_ready()
         workers.append(worker)
     return workers
@@ -488,11 +492,28 @@ def run_replicas(
 
     gave_up: list[BaseException] = []  # the interrupt that ended the wait
 
+    def give_up(again: BaseException) -> None:
+        """The caller, interrupted again, stops waiting for the replicas handed to workers: one
+        still running (blocked in user code, say) may never return. Their workers are retired
+        (see :func:`_retire`), so that later calls get new ones rather than queue behind them
+        and wait forever, silently."""
+        gave_up.append(again)
+        group.abort(0, again)
+        # (Replicas the caller ran itself are not running any more.)
+        running = [i for i in range(1, n) if i not in counted and i not in stolen]
+        _retire([workers[i - 1] for i in running])
+        _note(
+            again,
+            caller,
+            "interrupted again: stopped waiting for "
+            + ", ".join(f"replica {i} (device {devices[i]})" for i in running)
+            + ", which had not returned; the worker threads running them were replaced, and "
+            "they end in the background if they ever return",
+        )
+
     def wait_for_workers(*, interrupted: bool) -> None:
-        """Waits for the replicas handed to workers. Once the caller has been interrupted, another
-        interrupt ends the wait: a replica still running (blocked in user code, say) may never
-        return. Its worker is retired (see :func:`_retire`), so that later calls get a new one
-        rather than queue behind it and wait forever, silently."""
+        """Waits for the replicas handed to workers; once the caller has been interrupted,
+        another interrupt ends the wait (:func:`give_up`)."""
         if not latch:
             return
         if not interrupted:
@@ -501,17 +522,7 @@ def run_replicas(
         try:
             latch[0].wait()
         except BaseException as again:
-            gave_up.append(again)
-            running = [i for i in range(1, n) if i not in counted]
-            _retire([workers[i - 1] for i in running])
-            _note(
-                again,
-                caller,
-                "interrupted again: stopped waiting for "
-                + ", ".join(f"replica {i} (device {devices[i]})" for i in running)
-                + ", still running; the worker threads running them were replaced, and "
-                "they end in the background if they ever return",
-            )
+            give_up(again)
             raise
 
     def submit() -> None:
@@ -559,17 +570,25 @@ def run_replicas(
                     tasks[i](inline=True)
         # An interrupt that landed in a replica the caller ran (replica 0 waiting in a
         # collective, say) was the first: the next one ends the wait.
-        wait_for_workers(interrupted=any(isinstance(errors[i], KeyboardInterrupt) for i in (0, *stolen)))
+        wait_for_workers(
+            interrupted=isinstance(errors[0], KeyboardInterrupt)
+            or any(isinstance(errors[i], KeyboardInterrupt) for i in stolen)
+        )
     except BaseException as interrupt:  # KeyboardInterrupt while waiting
         if gave_up:
             raise  # the caller has stopped waiting
-        group.abort(0, interrupt)
-        for i in stolen:  # interrupted around a replica the caller ran: no one else counts it
-            if i not in counted:
-                group.finish(i)
-                if latch:
-                    latch[0].count_down()
-        wait_for_workers(interrupted=True)  # the replicas that never ran were never handed over
+        try:
+            group.abort(0, interrupt)
+            for i in stolen:  # interrupted around a replica the caller ran: no one else counts it
+                if i not in counted:
+                    group.finish(i)
+                    if latch:
+                        latch[0].count_down()
+            wait_for_workers(interrupted=True)  # the replicas that never ran were never handed over
+        except BaseException as again:
+            if not gave_up:  # interrupted again on the way to the wait
+                give_up(again)
+            raise
         for i, failure in enumerate(errors):
             if (
                 failure is not None

@@ -157,12 +157,14 @@ def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool)
         from fdp import _pool
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _pool.INLINE_REPLICAS = False
-        main, release = threading.main_thread().ident, threading.Event()
+        main, started, release = threading.main_thread().ident, threading.Event(), threading.Event()
         def body(x):
             if fdp.axis_index("i") == 1:
+                started.set()
                 release.wait()
             return fdp.psum(x, "i") if COLLECTIVE else x
         def interrupt():
+            started.wait()
             for _ in range(2):
                 time.sleep(0.5)
                 signal.pthread_kill(main, signal.SIGINT)
@@ -182,7 +184,9 @@ def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool)
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "stopped waiting for replica 1 (device cpu), still running" in result.stdout, result.stdout
+    assert "stopped waiting for replica 1 (device cpu), which had not returned" in result.stdout, (
+        result.stdout
+    )
     assert "next [[2.0, 2.0]] idle True" in result.stdout, result.stdout
 
 
