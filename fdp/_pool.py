@@ -499,8 +499,10 @@ def run_replicas(
         and wait forever, silently."""
         gave_up.append(again)
         group.abort(0, again)
-        # (Replicas the caller ran itself are not running any more.)
-        running = [i for i in range(1, n) if i not in counted and i not in stolen]
+        # Only replicas handed to workers (all of them, if any), not those the caller ran.
+        running = [i for i in range(1, n) if i not in counted and i not in stolen] if latch else []
+        if not running:
+            return
         _retire([workers[i - 1] for i in running])
         _note(
             again,
