@@ -190,6 +190,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         "got 1 functions for 2 inputs",
     ),
     (
+        "parallel_apply under an outer torch.func transform",
+        lambda: (torch.zeros(4),),
+        lambda a: torch.func.grad(lambda x: fdp.parallel_apply(torch.sum, [x, x], devices=["cpu"] * 2)[0])(
+            *a
+        ),
+        RuntimeError,
+        "fdp.parallel_apply was called under a torch.func transform",
+    ),
+    (
         "ppermute with a repeated destination",
         lambda: (torch.zeros(2),),
         lambda a: pm(lambda x: fdp.ppermute(x, "i", [(0, 1), (1, 1)]), axis_name="i")(*a),
