@@ -913,20 +913,12 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
 def pmin(x: Any, axis_name: Hashable) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
 
-    A NaN on any replica gives NaN there, as ``torch.minimum`` does. The gradient goes to every
-    replica holding the minimum, in equal parts where several do (see ``docs/collectives.md``).
+    :func:`fdp.pmax` with the minimum: the same arguments, errors, NaN rule (as
+    ``torch.minimum``) and gradient rule (to every replica holding the minimum, in equal parts).
 
     Args:
         x: a pytree of real tensors (numbers are taken as 0-dim tensors).
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
-
-    Returns:
-        A tree like ``x`` holding the minimums, each leaf on the device of ``x``'s leaf.
-
-    Raises:
-        NameError: outside a function mapped with this ``axis_name``.
-        TypeError: a complex leaf (complex numbers have no order).
-        ValueError: the replicas passed different structures, shapes or dtypes.
 
     Examples:
         >>> import torch, fdp
