@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import _replica
+from ._batch_norm import SyncBatchNorm
 
 __all__ = ["functional_call", "stateful_call"]
 
@@ -424,10 +425,18 @@ def _own_buffers(skeleton: _Skeleton, params: Any) -> list[tuple[str, torch.Tens
     given = {id(value) for value in params.values()}
     own = []
     for prefix, copy in zip(skeleton.names, skeleton._copy_list):
+        # A shared fdp.SyncBatchNorm updates its statistics by design: every replica writes the
+        # same values, computed before its exchange (see there), so nothing races.
+        synced = _SYNCED_BUFFERS if isinstance(copy, SyncBatchNorm) else ()
         for leaf, tensor in copy.__dict__.get("_buffers", {}).items():
-            if tensor is not None and id(tensor) not in given:
-                own.append((f"{prefix}.{leaf}" if prefix else leaf, tensor, tensor._version))
+            # (Inference tensors keep no version counter, and cannot change outside inference mode.)
+            if tensor is None or id(tensor) in given or leaf in synced or tensor.is_inference():
+                continue
+            own.append((f"{prefix}.{leaf}" if prefix else leaf, tensor, tensor._version))
     return own
+
+
+_SYNCED_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _check_own_buffers(own: list[tuple[str, torch.Tensor, int]], context: Any) -> None:

@@ -824,3 +824,34 @@ def test_replicas_changing_the_modules_own_buffers_in_place_is_an_error() -> Non
     model.eval()
     f(params, x)
     assert int(model[1].num_batches_tracked) == 1
+
+
+def test_own_buffers_made_in_inference_mode_are_no_error_in_replicas() -> None:
+    # Inference tensors keep no version counter: reading one raised "Inference tensors do not
+    # track version counter" on every call of several replicas, where fdp's check looked.
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    params = {k: v.clone() for k, v in model.named_parameters()}
+    x = torch.randn(8, 3)
+    f = fdp.pmap(lambda p, x: fdp.functional_call(model, p, (x,)), in_axes=(None, 0), devices=["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(f(params, x), torch.func.functional_call(model, params, (x,)))
+
+
+def test_a_shared_sync_batch_norm_updating_its_own_buffers_is_no_error() -> None:
+    # fdp.SyncBatchNorm shared by the replicas writes one update, the same on every replica:
+    # nothing races, and its statistics are the whole batch's, as on one device.
+    model = fdp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), "i")
+    reference = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    reference.load_state_dict(model.state_dict())
+    params = dict(model.named_parameters())
+    x = torch.randn(8, 3)
+    f = fdp.pmap(
+        lambda p, x: fdp.functional_call(model, p, (x,)),
+        in_axes=(None, 0),
+        axis_name="i",
+        devices=["cpu"] * 2,
+    )
+    torch.testing.assert_close(f(params, x), reference(x))
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), buffer)
