@@ -66,7 +66,7 @@ def scatter_leaves(
         if not isinstance(leaf, tensor):
             if isinstance(leaf, _state.PerReplica):
                 resident.append(k)
-            elif axis is not broadcast and (reason := _tree.unsplittable_reason(leaf)):
+            elif axis is not broadcast and (reason := _tree.unsplittable_reason(leaf, caller)):
                 raise TypeError(f"{caller}: {paths()[k]}: {reason}")
             continue
         if axis is broadcast:

@@ -308,7 +308,7 @@ def _register_new_node_types(leaves: Sequence[Any]) -> bool:
     return new
 
 
-def unsplittable_reason(leaf: Any) -> str | None:
+def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
     """Why ``leaf``, a leaf other than a tensor under an int axis, cannot be split: an array of
     another library (a NumPy array, say), or a dataclass fdp cannot rebuild that holds a tensor.
     None for a leaf that every replica may get whole (a number, a string, any other object)."""
@@ -319,11 +319,19 @@ def unsplittable_reason(leaf: Any) -> str | None:
             # Passed whole, each replica would get every row: a JAX habit (jax.pmap splits
             # NumPy arrays) that gives wrong shapes, or a silent broadcast, rather than an error.
             kind = f"{type(leaf).__module__.partition('.')[0]}.{type(leaf).__qualname__}"
+            if caller.startswith("fdp.DataParallel"):  # no in_axes: every argument is mapped
+                whole = (
+                    "hold it on the module instead of passing it (fdp.DataParallel maps every "
+                    "argument; nn.DataParallel gave such an array whole to every replica)"
+                )
+            elif caller.startswith("fdp.scatter"):
+                whole = "give it axis None in in_axes"
+            else:
+                whole = "pass it positionally with axis None in in_axes (keyword arguments are always split)"
             return (
                 f"a {kind} of shape {shape} is not a torch.Tensor, and fdp splits only tensors: "
                 "every replica would get all of it. Convert it with torch.as_tensor to split it; "
-                "to give every replica all of it, pass it positionally with axis None in "
-                "fdp.pmap's in_axes (keyword arguments are always split)"
+                f"to give every replica all of it, {whole}"
             )
         return None
     if not any(isinstance(getattr(leaf, f.name, None), torch.Tensor) for f in dataclasses.fields(leaf)):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 from helpers import cpus
+from torch import nn
 
 import fdp
 
@@ -108,6 +110,32 @@ def test_an_array_that_is_not_a_tensor_under_an_int_axis_is_refused(devices: int
     with pytest.raises(ValueError, match="found no tensor to map") as info:
         nothing(np.zeros((4, 3)), 1.0)
     assert "numpy" not in str(info.value)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_an_array_refused_by_data_parallel_or_scatter_gets_their_way_out(devices: int) -> None:
+    # Neither has pmap's positional in_axes: fdp.DataParallel maps every argument (the advice
+    # to give the array axis None in fdp.pmap's in_axes was of no use there), and fdp.scatter
+    # takes in_axes of its own.
+    np = pytest.importorskip("numpy")
+
+    class Scaled(nn.Module):
+        def forward(self, x: torch.Tensor, scale: Any) -> torch.Tensor:
+            return x * torch.as_tensor(scale).sum()
+
+    model = fdp.DataParallel(Scaled(), device_ids=cpus(devices))
+    with pytest.raises(TypeError) as info:
+        model(torch.zeros(4, 3), np.ones(3))
+    message = str(info.value)
+    assert message.startswith("fdp.DataParallel: inputs[1]: a numpy.ndarray of shape (3,)"), message
+    assert "hold it on the module instead of passing it" in message
+    assert "in_axes" not in message
+    with pytest.raises(TypeError) as info:
+        fdp.scatter((torch.zeros(4, 3), np.ones(3)), devices=cpus(devices))
+    message = str(info.value)
+    assert message.startswith("fdp.scatter: tree[1]: a numpy.ndarray of shape (3,)"), message
+    assert message.endswith("to give every replica all of it, give it axis None in in_axes")
+    assert "fdp.pmap" not in message and "positionally" not in message
 
 
 def test_in_axes_not_a_prefix_names_the_key_path() -> None:
