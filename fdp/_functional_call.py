@@ -342,6 +342,7 @@ def functional_call(
     leaves out) are shared by the replicas: a ``forward`` that changes one in place (BatchNorm's
     running statistics in training mode) raises ``RuntimeError`` naming it, where the replicas'
     updates would race. Give the buffers (:func:`fdp.stateful_call`), or use evaluation mode.
+    (A shared :class:`fdp.SyncBatchNorm` is no error: its replicas write one update.)
 
     Args:
         module: the module to call. It is not modified.
