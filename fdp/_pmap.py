@@ -375,9 +375,9 @@ class Pmapped(Generic[P, R]):
             for i in self.static_argnums:
                 position = i + len(args) if i < 0 else i
                 if not 0 <= position < len(args):
-                    # As jax.pmap does: a static argument passed by keyword (or left to its
-                    # default) would otherwise be mapped along dim 0 like any keyword argument,
-                    # its tensors split over the replicas, silently.
+                    # As jax.pmap does: a static argument passed by keyword would otherwise be
+                    # mapped along dim 0 like any keyword argument, its tensors split over the
+                    # replicas, silently. (One left to its default is refused alike, as there.)
                     given = f"only {len(args)} positional argument{'s' if len(args) != 1 else ''}"
                     raise ValueError(
                         f"{self._caller} has static_argnums={self.static_argnums!r}, but entry "
