@@ -215,22 +215,28 @@ class Pmapped(Generic[P, R]):
     @_compile.eager_under_compile
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         caller = self._caller
-        # A call inside a replica is refused by the lone runner (one thread-local read) or
-        # before the scatter.
-        if torch._C._functorch.peek_interpreter_stack() is not None:
-            raise RuntimeError(
-                f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, "
-                "...). The replicas run in other threads, where the transform cannot follow, and "
-                "its result would be silently wrong (zero gradients). Apply the transform inside "
-                "the mapped function instead, e.g. fdp.pmap(torch.func.grad(loss_fn)), or use "
-                "torch.autograd (loss.backward()) on the pmapped function's output."
+        try:
+            # A call inside a replica is refused by the lone runner (one thread-local read) or
+            # before the scatter.
+            if torch._C._functorch.peek_interpreter_stack() is not None:
+                raise RuntimeError(
+                    f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, "
+                    "...). The replicas run in other threads, where the transform cannot follow, "
+                    "and its result would be silently wrong (zero gradients). Apply the transform "
+                    "inside the mapped function instead, e.g. fdp.pmap(torch.func.grad(loss_fn)), "
+                    "or use torch.autograd (loss.backward()) on the pmapped function's output."
+                )
+            devices, output_device = self._devices_and_output()
+            parts, roots, statics = self._parts(args, kwargs)
+            lone = self._lone
+            # A lone replica takes the argument trees as they are, with nothing rebuilt from
+            # their structure, which may then be matched loosely (see _tree.LastStructure).
+            leaves, treespec, plan, exact = self._arguments(
+                parts, roots, exact=lone is None or self._lone_exact
             )
-        devices, output_device = self._devices_and_output()
-        parts, roots, statics = self._parts(args, kwargs)
-        lone = self._lone
-        # A lone replica takes the argument trees as they are, with nothing rebuilt from their
-        # structure, which may then be matched loosely (see _tree.LastStructure).
-        leaves, treespec, plan, exact = self._arguments(parts, roots, exact=lone is None or self._lone_exact)
+        except Exception as error:
+            self._failed_before_running(error)
+            raise
         row = None
         if lone is not None:
             row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
@@ -263,6 +269,16 @@ class Pmapped(Generic[P, R]):
             inputs=leaves,
             rename=self.rename_paths,
         )
+
+    def _failed_before_running(self, error: BaseException) -> None:
+        """A call that failed before its exchange of replica counts (bad arguments, devices this
+        process lacks, an empty share of the batch): under fdp.distributed, with an axis name, it
+        counts as a call all the same, and the other processes, waiting in that exchange, learn
+        of the failure at once rather than at the timeout (see _distributed.skip_call)."""
+        if self.axis_name is not None:
+            from . import _distributed  # local: only a failing call needs it
+
+            _distributed.skip_call(error)
 
     def _arguments(
         self, parts: tuple[Any, ...], roots: tuple[str, ...], *, exact: bool
@@ -303,10 +319,7 @@ class Pmapped(Generic[P, R]):
                 all_zero=plan.all_zero,
             )
         except Exception as error:
-            if self.axis_name is not None:  # under fdp.distributed, the others must not wait for it
-                from . import _distributed  # local: only a failing call needs it
-
-                _distributed.skip_call(error)
+            self._failed_before_running(error)
             raise
         n = len(scattered.devices)
         replicas = [

@@ -425,6 +425,28 @@ def empty_shares(rank: int, world: int, folder: str) -> None:
         except Exception as error:  # noqa: BLE001
             result["one_row"] = {"error": type(error).__name__, "message": str(error)}
         result["seconds"] = time.monotonic() - began
+        # Rank 1 fails before its scatter, in the call's argument checks (a static argument
+        # passed by keyword): rank 0, waiting in the exchange of replica counts, learns at once.
+        scaled = fdp.pmap(
+            lambda x, k: fdp.psum(x.sum() * k, "i")[None], axis_name="i", devices=["cpu"], static_argnums=1
+        )
+        # Rank 1 starts once rank 0 is done with the call before (each rank keeps one failure
+        # record: a newer one would stand in for the one rank 0 must read there).
+        done = Path(folder) / "rank0_one_row_done"
+        if rank == 0:
+            done.touch()
+        else:
+            while not done.exists():
+                time.sleep(0.01)
+        began = time.monotonic()
+        try:
+            if rank == 1:
+                scaled(torch.ones(2), k=2.0)
+            else:
+                scaled(torch.ones(2), 2.0)
+        except Exception as error:  # noqa: BLE001
+            result["arguments"] = {"error": type(error).__name__, "message": str(error)}
+        result["arguments_seconds"] = time.monotonic() - began
         report(folder, rank, result)
         if rank == 1:
             time.sleep(5)  # alive and connected: rank 0 must learn of the failure from its record

@@ -293,6 +293,11 @@ def test_a_call_that_fails_before_its_exchange_of_replica_counts_tells_the_other
     assert "rank 1 failed" in results[0]["one_row"]["message"], results
     assert "got an empty batch" in results[0]["one_row"]["message"], results
     assert results[0]["seconds"] < 4, results  # not the 30 s timeout
+    # A failure in the argument checks, before the scatter, on rank 1 alone: the same.
+    assert results[1]["arguments"]["error"] == "ValueError", results
+    assert results[0]["arguments"]["error"] == "RankFailed", results
+    assert "static_argnums" in results[0]["arguments"]["message"], results
+    assert results[0]["arguments_seconds"] < 4, results
 
 
 def test_nccl_without_gpus_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
