@@ -61,12 +61,11 @@ def parallel_apply(
         # of the result would silently be wrong (zero gradients), and which part would depend
         # on which replicas the caller happened to run itself. Refused for one input too, so
         # that whether a call works does not depend on how many inputs it gets.
-        raise RuntimeError(
-            f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, ...). "
-            "The replicas run in other threads, where the transform cannot follow, and its "
-            "result would be silently wrong (zero gradients). Apply the transform inside the "
-            "functions instead, e.g. fdp.parallel_apply(torch.func.grad(loss_fn), inputs), or "
-            "use torch.autograd (loss.backward()) on the results."
+        raise _pool.under_transform_error(
+            caller,
+            inside="the functions",
+            example="fdp.parallel_apply(torch.func.grad(loss_fn), inputs)",
+            outputs="the results",
         )
     n = len(inputs)
     if n == 0:

@@ -219,12 +219,11 @@ class Pmapped(Generic[P, R]):
             # A call inside a replica is refused by the lone runner (one thread-local read) or
             # before the scatter.
             if torch._C._functorch.peek_interpreter_stack() is not None:
-                raise RuntimeError(
-                    f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, "
-                    "...). The replicas run in other threads, where the transform cannot follow, "
-                    "and its result would be silently wrong (zero gradients). Apply the transform "
-                    "inside the mapped function instead, e.g. fdp.pmap(torch.func.grad(loss_fn)), "
-                    "or use torch.autograd (loss.backward()) on the pmapped function's output."
+                raise _pool.under_transform_error(
+                    caller,
+                    inside="the mapped function",
+                    example="fdp.pmap(torch.func.grad(loss_fn))",
+                    outputs="the pmapped function's output",
                 )
             devices, output_device = self._devices_and_output()
             parts, roots, statics = self._parts(args, kwargs)

@@ -80,10 +80,6 @@ class _Worker(threading.Thread):
         self.busy = False  # running a replica (for idle(): nothing may be left blocked)
         self._ready = threading.Event()
 
-    def start_and_wait(self) -> None:
-        self.start()
-        self.wait_ready()
-
     def wait_ready(self) -> None:
         self._ready.wait()
 
@@ -329,6 +325,18 @@ def ensure_not_in_replica(caller: str) -> None:
             "parallel_apply inside mapped functions are not supported. Call the inner function "
             "directly: it already runs on its replica's device."
         )
+
+
+def under_transform_error(caller: str, *, inside: str, example: str, outputs: str) -> RuntimeError:
+    """The refusal of a call under a torch.func transform (``fdp.pmap``, ``fdp.parallel_apply``):
+    the replicas run in other threads, where the transform cannot follow. Built only to be
+    raised (the check, one C call, stays inline on the callers' paths)."""
+    return RuntimeError(
+        f"{caller} was called under a torch.func transform (grad, vjp, vmap, jacrev, ...). The "
+        "replicas run in other threads, where the transform cannot follow, and its result would "
+        f"be silently wrong (zero gradients). Apply the transform inside {inside} instead, e.g. "
+        f"{example}, or use torch.autograd (loss.backward()) on {outputs}."
+    )
 
 
 class Timing:

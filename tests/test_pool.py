@@ -48,7 +48,8 @@ def test_worker_that_cannot_start_fails_its_replicas_instead_of_hanging(
     device = torch.device("cpu")
     key = (device, 99)
     monkeypatch.setitem(_pool._WORKERS, key, Broken(device, 99))
-    _pool._WORKERS[key].start_and_wait()
+    _pool._WORKERS[key].start()
+    _pool._WORKERS[key].wait_ready()
     monkeypatch.setattr(_pool, "_workers_for", lambda devices: [_pool._WORKERS[key]])
     with pytest.raises(RuntimeError, match="could not start") as info:
         _pool.run_replicas([device, device], [lambda: 0, lambda: 1], caller="test")
