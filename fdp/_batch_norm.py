@@ -17,7 +17,7 @@ the whole batch's normalization.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,11 @@ class SyncBatchNorm(_BatchNorm):
         True
     """
 
+    # Buffers that replicas sharing one layer (in the mapped function's closure) may update in
+    # place: each writes the same values, computed before the exchange (see _synced). The check
+    # of a module's own buffers in fdp.functional_call leaves them be.
+    _replicas_write_alike: ClassVar[tuple[str, ...]] = ("running_mean", "running_var", "num_batches_tracked")
+
     def __init__(
         self,
         num_features: int,
@@ -154,12 +159,11 @@ class SyncBatchNorm(_BatchNorm):
                 "recomputation runs the replicas again), or checkpoint only regions without "
                 "the layer. (Outside fdp.pmap, use torch.nn.BatchNorm.)"
             )
-        # Running statistics, or one device's batch: no replica to share with. The running
-        # statistics' update factor and batch counter, as nn.BatchNorm has them.
-        factor = 0.0 if self.momentum is None else self.momentum
+        # Running statistics, or one device's batch: no replica to share with.
+        batches = None
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            batches = self.num_batches_tracked
         return F.batch_norm(
             input,
             self.running_mean if not self.training or self.track_running_stats else None,
@@ -167,9 +171,17 @@ class SyncBatchNorm(_BatchNorm):
             self.weight,
             self.bias,
             batch_statistics,
-            factor,
+            self._update_factor(batches),
             self.eps,
         )
+
+    def _update_factor(self, batches: torch.Tensor | None) -> float:
+        """The running statistics' update factor, as nn.BatchNorm has it: ``momentum``, or with
+        ``momentum=None`` a cumulative average over ``batches``, the count including this one
+        (0.0 where no count is kept: nothing is updated then)."""
+        if self.momentum is not None:
+            return self.momentum
+        return 0.0 if batches is None else 1.0 / float(batches)
 
     def _synced(self, input: torch.Tensor) -> torch.Tensor:
         """``forward`` with the statistics of every replica's rows, in a mapped function."""
@@ -194,12 +206,11 @@ class SyncBatchNorm(_BatchNorm):
         # changes nothing; read after the exchange, a buffer could already hold another
         # replica's update, applied a second time on top (the exchange waits for every replica
         # to enter it, so none has written yet when any reads).
-        factor = 0.0 if self.momentum is None else self.momentum
         tracking = self.training and self.track_running_stats
         batches = None
         if tracking and self.num_batches_tracked is not None:
             batches = self.num_batches_tracked + 1
-            factor = 1.0 / float(batches) if self.momentum is None else self.momentum
+        factor = self._update_factor(batches)
         running = None
         if tracking and self.running_mean is not None and self.running_var is not None:
             with torch.no_grad():

@@ -30,7 +30,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import _replica
-from ._batch_norm import SyncBatchNorm
 
 __all__ = ["functional_call", "stateful_call"]
 
@@ -426,18 +425,16 @@ def _own_buffers(skeleton: _Skeleton, params: Any) -> list[tuple[str, torch.Tens
     given = {id(value) for value in params.values()}
     own = []
     for prefix, copy in zip(skeleton.names, skeleton._copy_list):
-        # A shared fdp.SyncBatchNorm updates its statistics by design: every replica writes the
-        # same values, computed before its exchange (see there), so nothing races.
-        synced = _SYNCED_BUFFERS if isinstance(copy, SyncBatchNorm) else ()
+        # Buffers a layer's replicas update with one same value each (fdp.SyncBatchNorm's
+        # statistics, by design: see there) race with nothing. (Looked up on the class: a
+        # module's own __getattr__ would raise for every other module.)
+        alike = getattr(type(copy), "_replicas_write_alike", ())
         for leaf, tensor in copy.__dict__.get("_buffers", {}).items():
             # (Inference tensors keep no version counter, and cannot change outside inference mode.)
-            if tensor is None or id(tensor) in given or leaf in synced or tensor.is_inference():
+            if tensor is None or id(tensor) in given or leaf in alike or tensor.is_inference():
                 continue
             own.append((f"{prefix}.{leaf}" if prefix else leaf, tensor, tensor._version))
     return own
-
-
-_SYNCED_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _check_own_buffers(own: list[tuple[str, torch.Tensor, int]], context: Any) -> None:
