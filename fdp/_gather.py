@@ -112,11 +112,8 @@ def gather_outputs(
             leaves, treespec, plan, _ = _flat_output(
                 outputs[0], out_axes, plans, structure, exact=True, caller=caller
             )
-        if plan.all_per_replica and devices is not None:  # resident state, in one short loop
-            mine = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
-            return _tree.unflatten(
-                treespec, [_state.PerReplica((_own_copy(v, mine),), devices) for v in leaves]
-            )
+        if plan.all_per_replica and devices is not None:  # resident state
+            return _tree.unflatten(treespec, _lone_per_replica(leaves, inputs, devices))
     flat = [(leaves, treespec)]
     if not lone:
         types = list(map(type, leaves))
@@ -264,6 +261,33 @@ def _own_copy(value: Any, taken: set[int]) -> Any:
             storage = _storage(value)
         taken.add(storage)
     return value
+
+
+def _lone_per_replica(
+    leaves: Sequence[Any], inputs: Sequence[Any], devices: Sequence[torch.device]
+) -> list[_state.PerReplica]:
+    """A lone replica's output leaves as :class:`~fdp.PerReplica` leaves, each value in memory
+    of its own: :func:`_own_copies` for one replica, inline.
+
+    A resident training step returns every parameter and optimizer state, and right after the
+    step's kernels each call per leaf runs cold (see docs/benchmarks.md, "One replica, after
+    real work"): one loop here, one in ``PerReplica._each``.
+    """
+    per_replica = _state.PerReplica
+    taken = set()
+    for t in inputs:
+        if type(t) is not per_replica and isinstance(t, torch.Tensor):
+            taken.add(_storage(t))
+    values = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor) and v.numel() > 0:
+            storage = _storage(v)
+            if storage in taken:
+                v = v.clone()
+                storage = _storage(v)
+            taken.add(storage)
+        values.append(v)
+    return per_replica._each(values, tuple(devices))
 
 
 def _device_of(value: Any, default: torch.device) -> torch.device:

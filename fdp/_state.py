@@ -57,6 +57,25 @@ class PerReplica:
         placed.prefix_ok = True
         return placed
 
+    @classmethod
+    def _each(cls, values: Sequence[Any], devices: tuple[torch.device, ...]) -> list[PerReplica]:
+        """One PerReplica of one replica on ``devices`` per value: a lone replica's outputs.
+
+        Made without ``__init__`` and its checks, in one loop: a resident training step
+        returns every parameter and optimizer state this way, call after call.
+        """
+        if len(devices) != 1:
+            raise ValueError(f"PerReplica._each makes one-replica values, got {len(devices)} devices")
+        new = object.__new__
+        out = []
+        for v in values:
+            placed = new(cls)
+            placed.values = (v,)
+            placed.devices = devices
+            placed.prefix_ok = False
+            out.append(placed)
+        return out
+
     def __len__(self) -> int:
         return len(self.values)
 
