@@ -540,7 +540,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         norms = torch._foreach_norm(g, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        return _tree.unflatten(spec, torch._foreach_mul(g, scale)), state
+        clipped: Leaves = torch._foreach_mul(g, scale)
+        # clip_grad_norm_ scales in place, so every gradient keeps its dtype. Out of place, a
+        # 0-dim gradient promotes with the 0-dim scale, of the widest dtype among the norms
+        # (a float32 scalar beside float64 gradients would come back float64, which the
+        # optimizer after it refuses): cast back, as the in-place product is.
+        clipped = [c if c.dtype is t.dtype else c.to(t.dtype) for c, t in zip(clipped, g)]
+        return _tree.unflatten(spec, clipped), state
 
     return GradientTransformation(init, update)
 

@@ -539,6 +539,37 @@ def test_clip_by_global_norm_matches_clip_grad_norm_for_tiny_norms() -> None:
     torch.testing.assert_close(clipped["g"], reference.grad, atol=0, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("scalar", "wide"),
+    [
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.complex64, torch.float64),
+    ],
+    ids=["float32-float64", "bfloat16-float32", "float16-float32", "complex64-float64"],
+)
+def test_clip_by_global_norm_keeps_each_gradients_dtype(scalar: torch.dtype, wide: torch.dtype) -> None:
+    # clip_grad_norm_ scales in place: a 0-dim gradient beside gradients of a wider dtype keeps
+    # its dtype (out of place, it would promote with the 0-dim scale, and an optimizer after the
+    # clip refuse a gradient of another dtype than its parameter's).
+    torch.manual_seed(0)
+    grads = {"scale": torch.randn((), dtype=scalar), "w": 3 * torch.randn(4, dtype=wide)}
+    clip = optim.clip_by_global_norm(0.5)
+    clipped, _ = clip.update(grads, clip.init(None))
+    references = [torch.zeros_like(g).requires_grad_() for g in grads.values()]
+    for reference, g in zip(references, grads.values()):
+        reference.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(references, 0.5)
+    for (k, mine), reference in zip(clipped.items(), references):
+        assert mine.dtype == grads[k].dtype, k
+        assert torch.equal(mine, reference.grad), k
+    params = {k: torch.zeros_like(g) for k, g in grads.items()}
+    opt = optim.chain(clip, optim.sgd(0.1))
+    new, _ = opt.apply_gradients(grads, opt.init(params), params)
+    assert {k: v.dtype for k, v in new.items()} == {k: v.dtype for k, v in params.items()}
+
+
 def test_chain_refuses_a_state_of_another_length() -> None:
     params = {"w": torch.ones(2)}
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
