@@ -128,23 +128,34 @@ _Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any]], tuple[Any, Any]]
 
 
 def _optimizer(
-    init: Callable[[Tree], Any], step: _Step, name: str, buffers: tuple[str, ...]
+    init: Callable[[Tree], Any], step: _Step, name: str, state_type: type, buffers: tuple[str, ...]
 ) -> GradientTransformation:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
-    one-pass ``apply_gradients``. ``buffers`` names the state's fields that hold trees like the
-    gradients."""
+    one-pass ``apply_gradients``. Its state is a ``state_type``; ``buffers`` names the state's
+    fields that hold trees like the gradients."""
 
     def checked(grads: Tree, state: Any, params: Tree, call: str) -> tuple[Any, ...]:
         """The leaves and structures of grads and params, and the leaves of the state's trees,
         once they are known to match."""
+        if not isinstance(state, state_type):
+            # Another optimizer's state, a chain's, or the arguments in another order: its
+            # fields would be read as this optimizer's (an AttributeError, or a step count taken
+            # silently from a state of another kind).
+            raise ValueError(
+                f"fdp.optim.{name}: {call} got a state of type {type(state).__qualname__}, expected "
+                f"{state_type.__qualname__}: the state must come from this optimizer's init(params) "
+                f"or its last step, passed as {call}(grads, state, params)"
+            )
         g, spec = _leaves(grads)
         p, params_spec = _leaves(params)
         flat = [_leaves(getattr(state, field)) for field in buffers]
+        state_leaves = [leaves for leaves, _ in flat]
         if torch.compiler.is_compiling():
             _verify_eagerly(name, call, grads, params, state, buffers)
         else:
-            _verify(name, call, grads, params, g, p, spec, params_spec, buffers, [own for _, own in flat])
-        return g, spec, p, params_spec, [leaves for leaves, _ in flat]
+            specs = [own for _, own in flat]
+            _verify(name, call, grads, params, state, g, p, spec, params_spec, buffers, specs, state_leaves)
+        return g, spec, p, params_spec, state_leaves
 
     @torch.no_grad()
     def update(grads: Tree, state: Any, params: Tree | None = None) -> tuple[Tree, Any]:
@@ -226,13 +237,25 @@ def _same_leaves(a: Leaves, b: Leaves) -> bool:
     return True
 
 
+_GRADIENT_DTYPES = "; as torch.optim, fdp.optim takes gradients of their parameters' dtypes"
+
+
 def _refuse_unlike(
-    where: str, root: str, tree: Tree, params: Tree, leaves: Leaves, p: Leaves, *, cast: bool
+    where: str,
+    root: str,
+    tree: Tree,
+    params: Tree,
+    leaves: Leaves,
+    p: Leaves,
+    *,
+    cast: bool,
+    hint: str | None = None,
 ) -> None:
-    """Raises for the first leaf of ``tree`` (``root``: grads or updates, of ``params``'
-    structure) that is not a tensor of its parameter's shape and, unless ``cast``, dtype. With
-    ``cast``, only a complex leaf for a real parameter is refused for its dtype: the cast would
-    drop its imaginary part. Key paths are written here only, on the way to an error."""
+    """Raises for the first leaf of ``tree`` (``root``: grads, updates or a state's tree, of
+    ``params``' structure) that is not a tensor of its parameter's shape and, unless ``cast``,
+    dtype. With ``cast``, only a complex leaf for a real parameter is refused for its dtype: the
+    cast would drop its imaginary part. ``hint``, if given, ends every message. Key paths are
+    written here only, on the way to an error."""
     got: object
     expected: object
     for i, (x, q) in enumerate(zip(leaves, p)):
@@ -243,12 +266,14 @@ def _refuse_unlike(
             kind, why, got, expected = "shape", "", tuple(x.shape), tuple(q.shape)
         elif x.dtype != q.dtype and not cast:
             kind, got, expected = "dtype", x.dtype, q.dtype
-            why = "; as torch.optim, fdp.optim takes gradients of their parameters' dtypes"
+            why = _GRADIENT_DTYPES
         elif x.dtype != q.dtype and x.is_complex() and not q.is_complex():
             kind, got, expected = "dtype", x.dtype, q.dtype
             why = "; a real parameter cannot take a complex update"
         else:
             continue
+        if hint is not None:
+            why = hint
         path = _tree.flatten_with_paths(tree, root)[0][i]
         param = _tree.flatten_with_paths(params, "params")[0][i]
         raise ValueError(f"{where} got {path} of {kind} {got} for {param} of {kind} {expected}{why}")
@@ -259,18 +284,22 @@ def _verify(
     call: str,
     grads: Tree,
     params: Tree,
+    state: Any,
     g: Leaves,
     p: Leaves,
     spec: optree.PyTreeSpec,
     params_spec: optree.PyTreeSpec,
     fields: tuple[str, ...],
     specs: list[optree.PyTreeSpec],
+    state_leaves: list[Leaves],
 ) -> None:
     """Refuses grads (leaves ``g``, structure ``spec``) unlike the params (``p``,
     ``params_spec``), in structure or a leaf's shape or dtype (torch.optim refuses such a
-    ``.grad``), and a state whose trees (in ``fields``, of structures ``specs``) are unlike the
-    grads: zipped by position, their leaves would pair a parameter with another's gradient or
-    moments, or broadcast into a new shape, silently."""
+    ``.grad``), and a state whose trees (in ``fields``, of structures ``specs`` and leaves
+    ``state_leaves``) are unlike the grads in structure or a leaf's shape or dtype: zipped by
+    position, their leaves would pair a parameter with another's gradient or moments, broadcast
+    into a new shape, or promote the parameter to the state's dtype, silently (torch.optim
+    casts a loaded state to its parameters' dtypes)."""
     mismatch = _differing(params_spec, spec)
     if mismatch is not None:
         raise ValueError(f"fdp.optim.{name}: {call} got params {mismatch[0]} but grads {mismatch[1]}")
@@ -283,6 +312,18 @@ def _verify(
             )
     if not _same_leaves(g, p):
         _refuse_unlike(f"fdp.optim.{name}: {call}", "grads", grads, params, g, p, cast=False)
+    for field, leaves in zip(fields, state_leaves):
+        if not _same_leaves(leaves, p):
+            _refuse_unlike(
+                f"fdp.optim.{name}: {call}",
+                f"state.{field}",
+                getattr(state, field),
+                params,
+                leaves,
+                p,
+                cast=False,
+                hint="; the state must come from init(params) for params of these shapes and dtypes",
+            )
 
 
 @eager_under_compile
@@ -294,8 +335,9 @@ def _verify_eagerly(
     it cannot trace)."""
     g, spec = _leaves(grads)
     p, params_spec = _leaves(params)
-    specs = [_leaves(getattr(state, field))[1] for field in fields]
-    _verify(name, call, grads, params, g, p, spec, params_spec, fields, specs)
+    flat = [_leaves(getattr(state, field)) for field in fields]
+    specs = [own for _, own in flat]
+    _verify(name, call, grads, params, state, g, p, spec, params_spec, fields, specs, [t for t, _ in flat])
 
 
 def _verify_updates(
@@ -386,7 +428,7 @@ def sgd(
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
         return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
 
-    return _optimizer(init, step, "sgd", ("momentum",) if momentum else ())
+    return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else ())
 
 
 def _difference(new: Leaves, old: Leaves) -> Leaves:
@@ -449,7 +491,7 @@ def _adam(
             new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
         return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
 
-    return _optimizer(init, step, name, ("exp_avg", "exp_avg_sq"))
+    return _optimizer(init, step, name, AdamState, ("exp_avg", "exp_avg_sq"))
 
 
 def adam(

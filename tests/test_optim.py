@@ -294,6 +294,78 @@ def test_sgd_with_momentum_refuses_a_state_without_momentum() -> None:
         opt.apply_gradients(params, state._replace(step=1), params)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    ("make", "make_state", "kind"),
+    [
+        # sgd without momentum read only the step count: another optimizer's state passed silently
+        (lambda: optim.sgd(0.1), lambda p: optim.adam().init(p), "AdamState"),
+        (lambda: optim.sgd(0.1, momentum=0.9), lambda p: optim.adamw().init(p), "AdamState"),
+        (lambda: optim.adam(), lambda p: optim.sgd(0.1, momentum=0.9).init(p), "SgdState"),
+        (lambda: optim.adam(), lambda p: optim.chain(optim.adam()).init(p), "tuple"),
+        (lambda: optim.adamw(), lambda p: p, "dict"),  # update(grads, params, state)
+    ],
+    ids=["adam-to-sgd", "adamw-to-sgd-momentum", "sgd-to-adam", "chain-to-adam", "params-to-adamw"],
+)
+def test_a_state_of_another_kind_is_refused(
+    make: Callable[[], Any], make_state: Callable[[Any], Any], kind: str, one_pass: bool
+) -> None:
+    opt = make()
+    params = {"w": torch.ones(2)}
+    call = "apply_gradients" if one_pass else "update"
+    expected = (
+        rf"^fdp\.optim\.\w+: {call} got a state of type {kind}, expected \w+State: the state must come "
+    )
+    with pytest.raises(ValueError, match=expected):
+        getattr(opt, call)(params, make_state(params), params)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: optim.sgd(0.1, momentum=0.9), "momentum"),
+        (lambda: optim.adam(0.1), "exp_avg"),
+        (lambda: optim.adamw(0.1), "exp_avg"),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+@pytest.mark.parametrize(
+    ("made_for", "what", "got", "expected"),
+    [
+        # sgd silently stepped bfloat16 parameters into float32 with a float32 momentum
+        (torch.ones(3), "dtype", "torch.float32", "torch.bfloat16"),
+        (torch.ones(1, dtype=torch.bfloat16), "shape", r"\(1,\)", r"\(3,\)"),
+        (torch.ones(3, 1, dtype=torch.bfloat16), "shape", r"\(3, 1\)", r"\(3,\)"),
+    ],
+    ids=["dtype", "shape-broadcast", "shape"],
+)
+def test_a_state_for_params_of_other_shapes_or_dtypes_is_refused(
+    make: Callable[[], Any],
+    field: str,
+    made_for: torch.Tensor,
+    what: str,
+    got: str,
+    expected: str,
+    one_pass: bool,
+) -> None:
+    # A state made for other parameters under the same keys (a model resized or cast after
+    # init): torch.optim casts a loaded state to its parameters' dtypes; stepped as it is, the
+    # parameters would take the state's dtype or shape, or the step fail inside torch.
+    opt = make()
+    other = {"b": torch.zeros(2, dtype=torch.bfloat16), "w": made_for}
+    state = opt.init(other)
+    _, state = opt.update(other, state, other)  # past the first step: the buffers in use
+    params = {"b": torch.zeros(2, dtype=torch.bfloat16), "w": torch.ones(3, dtype=torch.bfloat16)}
+    call = "apply_gradients" if one_pass else "update"
+    message = (
+        rf"^fdp\.optim\.\w+: {call} got state\.{field}\['w'\] of {what} {got} for params\['w'\] "
+        rf"of {what} {expected}; the state must come from init\(params\) for params of these shapes"
+    )
+    with pytest.raises(ValueError, match=message):
+        getattr(opt, call)(params, state, params)
+
+
 OPTIMIZERS: dict[str, Callable[[], optim.GradientTransformation]] = {
     "sgd": lambda: optim.sgd(0.1),
     "sgd_momentum": lambda: optim.sgd(0.1, momentum=0.9, weight_decay=0.1),
@@ -657,6 +729,12 @@ def test_structure_check_runs_outside_the_graph_under_compile(monkeypatch: pytes
         opt.update({"a": torch.ones(2), "c": torch.ones(3)}, opt.init(params), params)
     with pytest.raises(ValueError, match="state whose momentum is"):
         opt.apply_gradients(params, opt.init({"a": torch.ones(2)}), params)
+    with pytest.raises(
+        ValueError, match=r"apply_gradients got state\.momentum\['a'\] of dtype torch\.float64"
+    ):
+        opt.apply_gradients(params, opt.init({k: v.double() for k, v in params.items()}), params)
+    with pytest.raises(ValueError, match="update got a state of type AdamState"):
+        opt.update(params, optim.adam().init(params), params)
     with pytest.raises(ValueError, match=r"apply_gradients got grads\['b'\] of shape \(3, 1\)"):
         opt.apply_gradients({"a": torch.ones(2), "b": torch.ones(3, 1)}, opt.init(params), params)
     with pytest.raises(ValueError, match=r"update got grads\['b'\] of dtype torch.float64"):
