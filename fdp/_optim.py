@@ -34,6 +34,7 @@ import torch
 
 from . import _tree
 from ._compile import eager_under_compile
+from ._state import PerReplica
 
 __all__ = [
     "GradientTransformation",
@@ -261,6 +262,8 @@ def _refuse_unlike(
     for i, (x, q) in enumerate(zip(leaves, p)):
         if not (isinstance(x, torch.Tensor) and isinstance(q, torch.Tensor)):
             kind, why = "type", "; both must be tensors"
+            if isinstance(x, PerReplica) or isinstance(q, PerReplica):
+                why += _PER_REPLICA_HINT
             got, expected = _tree.describe(x), _tree.describe(q)
         elif x.shape != q.shape:
             kind, why, got, expected = "shape", "", tuple(x.shape), tuple(q.shape)
@@ -362,8 +365,29 @@ def _verify_updates_eagerly(params: Tree, updates: Tree) -> bool:
     return _verify_updates(params, updates, p, u, spec, other)
 
 
-def _zeros_like(tree: Tree) -> Tree:
+_PER_REPLICA_HINT = (
+    "; a PerReplica holds one tensor per replica: step inside the pmapped function, where each "
+    "replica sees its own tensors, and call init on the parameters before fdp.device_put_replicated"
+)
+
+
+def _refuse_non_tensors(where: str, root: str, tree: Tree, leaves: Leaves) -> None:
+    """Raises for the first leaf of ``tree`` (written ``root``) that is not a tensor (a step
+    count kept among the parameters, a PerReplica outside the pmapped function), rather than
+    let a torch op fail on it without naming it. One isinstance per leaf; key paths are written
+    only on the way to an error."""
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            path = _tree.flatten_with_paths(tree, root)[0][i]
+            hint = _PER_REPLICA_HINT if isinstance(x, PerReplica) else "; keep other values out of the tree"
+            raise ValueError(
+                f"{where} got {path} of type {_tree.describe(x)}; fdp.optim steps tensors only{hint}"
+            )
+
+
+def _zeros_like(tree: Tree, name: str) -> Tree:
     leaves, spec = _leaves(tree)
+    _refuse_non_tensors(f"fdp.optim.{name}: init", "params", tree, leaves)
     return _tree.unflatten(spec, [torch.zeros_like(t, memory_format=torch.preserve_format) for t in leaves])
 
 
@@ -408,7 +432,7 @@ def sgd(
         raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
 
     def init(params: Tree) -> SgdState:
-        return SgdState(0, _zeros_like(params) if momentum else None)
+        return SgdState(0, _zeros_like(params, "sgd") if momentum else None)
 
     def step(
         g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState, state_leaves: list[Leaves]
@@ -458,7 +482,7 @@ def _adam(
         raise ValueError(f"fdp.optim.{name}: betas must be in [0, 1), got {betas!r}")
 
     def init(params: Tree) -> AdamState:
-        return AdamState(0, _zeros_like(params), _zeros_like(params))
+        return AdamState(0, _zeros_like(params, name), _zeros_like(params, name))
 
     def step(
         g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState, state_leaves: list[Leaves]
@@ -579,6 +603,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         g, spec = _leaves(grads)
         if not g:
             return grads, state
+        _refuse_non_tensors("fdp.optim.clip_by_global_norm: update", "grads", grads, g)
         norms = torch._foreach_norm(g, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -425,6 +425,50 @@ def test_gradients_that_are_not_tensors_are_refused() -> None:
         opt.apply_gradients({"w": torch.ones(3), "s": 1.0}, opt.init(params), params)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optim.sgd(0.1, momentum=0.9), lambda: optim.adam(), lambda: optim.adamw()],
+    ids=["sgd", "adam", "adamw"],
+)
+def test_init_refuses_leaves_that_are_not_tensors(make: Callable[[], Any]) -> None:
+    # A step count kept among the parameters: torch.zeros_like failed on it, naming no leaf.
+    opt = make()
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.optim\.\w+: init got params\['step'\] of type int; fdp\.optim steps tensors only",
+    ):
+        opt.init({"w": torch.ones(2), "step": 3})
+
+
+def test_clip_by_global_norm_refuses_leaves_that_are_not_tensors() -> None:
+    clip = optim.clip_by_global_norm(1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.optim\.clip_by_global_norm: update got grads\['step'\] of type int; fdp\.optim "
+        r"steps tensors only",
+    ):
+        clip.update({"w": torch.ones(2), "step": 0}, clip.init(None))
+
+
+def test_per_replica_leaves_outside_the_pmapped_function_are_refused_with_a_hint() -> None:
+    # Resident state outside the step: each replica's tensors are only seen inside pmap.
+    import fdp
+
+    params = {"w": torch.ones(2)}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adam())
+    placed = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, ["cpu", "cpu"])
+    hint = r"of type PerReplica.*; a PerReplica holds one tensor per replica: step inside the pmapped "
+    hint += r"function.*init on the parameters before"
+    with pytest.raises(ValueError, match=rf"^fdp\.optim\.adam: init got params\['w'\] {hint}"):
+        opt.init(placed["params"])
+    with pytest.raises(
+        ValueError, match=rf"^fdp\.optim\.clip_by_global_norm: update got grads\['w'\] {hint}"
+    ):
+        opt.apply_gradients(placed["params"], placed["opt"], placed["params"])
+    with pytest.raises(ValueError, match=rf"^fdp\.optim\.adam: update got grads\['w'\] {hint}"):
+        optim.adam().update(placed["params"], placed["opt"][1], placed["params"])
+
+
 @pytest.mark.parametrize(("params_shape", "updates_shape"), [((1,), (3,)), ((3,), (3, 1)), ((3,), ())])
 def test_apply_updates_of_another_shape_are_refused(
     params_shape: tuple[int, ...], updates_shape: tuple[int, ...]
