@@ -642,6 +642,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         count: int, grads: Tree, state: tuple[Any, ...], params: Tree | None
     ) -> tuple[Tree, list[Any]]:
         """The gradients through the first ``count`` transforms, and their new states."""
+        if not isinstance(state, tuple) or hasattr(state, "_fields"):
+            # Not a chain's state (one optimizer's named tuple, None, the params): refused here,
+            # where len() would fail, or the states be dealt out a named tuple's fields.
+            raise ValueError(
+                f"fdp.optim.chain: expected a tuple of {len(transforms)} states (from the chain's "
+                f"init), got {type(state).__qualname__}"
+            )
         if len(state) != len(transforms):
             raise ValueError(f"fdp.optim.chain: expected {len(transforms)} states, got {len(state)}")
         new_states = []

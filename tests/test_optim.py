@@ -696,6 +696,29 @@ def test_chain_refuses_a_state_of_another_length() -> None:
         opt.apply_gradients(params, short, params)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    ("make_state", "kind"),
+    [
+        (lambda p: optim.adam().init(p), "AdamState"),  # a named tuple of 3 for a chain of 3
+        (lambda p: None, "NoneType"),
+        (lambda p: p, "dict"),
+    ],
+    ids=["an-optimizers-state", "none", "params"],
+)
+def test_chain_refuses_a_state_that_is_not_a_chains(
+    make_state: Callable[[Any], Any], kind: str, one_pass: bool
+) -> None:
+    # len() of None failed naming nothing; an AdamState was dealt out to the transforms field by field.
+    params = {"w": torch.ones(2)}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9), optim.sgd(0.1))
+    with pytest.raises(
+        ValueError,
+        match=rf"^fdp\.optim\.chain: expected a tuple of 3 states \(from the chain's init\), got {kind}$",
+    ):
+        (opt.apply_gradients if one_pass else opt.update)(params, make_state(params), params)
+
+
 @pytest.mark.parametrize("path", ["update", "apply_gradients"])
 def test_first_momentum_is_a_copy_of_the_gradients(path: str) -> None:
     # As torch.optim.SGD's momentum_buffer (torch.clone(grad)): zeroing the gradients in place
