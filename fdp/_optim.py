@@ -12,7 +12,10 @@ computes the new parameters as torch does; its update is ``new - params``. Where
 large next to its step (the usual case) that difference is exact and :func:`apply_updates`
 gives back torch's parameters bit for bit; where it is not, they differ by rounding (one unit in
 the last place), far less than a naively composed update (``-lr * direction``), whose rounding
-Adam's normalisation amplifies. The tests hold 100 steps to 1e-6 of ``torch.optim``.
+Adam's normalisation amplifies. The tests hold 100 steps to 1e-6 of ``torch.optim`` (1e-5 for
+complex parameters). A parameter that is infinite (a step diverged) takes ``inf - inf``, NaN, as
+its next update, where torch's stays infinite: :meth:`GradientTransformation.apply_gradients`
+gives torch's.
 
 Like ``torch.optim``, updates are computed without autograd (``torch.no_grad``): parameters
 that require grad do not grow a graph step after step.
