@@ -435,7 +435,8 @@ def shutdown() -> None:
     """Leaves the process group (if :func:`initialize` created it) and stops the communicator.
 
     Does nothing when :func:`initialize` has not run (or :func:`shutdown` already did), so it
-    can be called unconditionally at the end of a program.
+    can be called unconditionally at the end of a program, or in a ``finally:`` block: an
+    exception propagating through it is recorded for the other ranks (:func:`record_failure`).
 
     Examples:
         >>> import fdp
@@ -447,6 +448,12 @@ def shutdown() -> None:
     state = _STATE
     if state is None:
         return
+    # Called in a ``finally:`` block while an exception propagates, shutdown runs before
+    # sys.excepthook, which would find fdp shut down and tell no one: the other ranks would
+    # see only a lost connection. Record the exception here.
+    leaving = sys.exc_info()[1]
+    if leaving is not None and not (isinstance(leaving, SystemExit) and leaving.code in (None, 0)):
+        record_failure(leaving)
     _STATE = None
     state.communicator.close()
     if state.owns_group and _group_alive(state):  # not a group made after the user destroyed it

@@ -465,3 +465,24 @@ def empty_shares(rank: int, world: int, folder: str) -> None:
             time.sleep(5)  # alive and connected: rank 0 must learn of the failure from its record
     finally:
         fdp.distributed.shutdown()
+
+
+def failure_in_finally(rank: int, world: int, folder: str) -> None:
+    """Rank 1 raises between calls inside ``try: ... finally: fdp.distributed.shutdown()`` (the
+    usual shape of a DDP script), while rank 0 waits for it in a psum: shutdown runs before
+    sys.excepthook would, and must tell rank 0 what rank 1 raised."""
+    start(rank, world, folder, timeout=20.0)
+    psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+    try:
+        psum(torch.ones(2))
+        if rank == 1:
+            raise RuntimeError("rank 1's data loader broke")
+        began = time.monotonic()
+        try:
+            psum(torch.ones(2))
+            result = {"error": None}
+        except Exception as error:  # noqa: BLE001
+            result = {"error": type(error).__name__, "message": str(error)}
+        report(folder, rank, result | {"seconds": time.monotonic() - began})
+    finally:
+        fdp.distributed.shutdown()

@@ -367,3 +367,15 @@ def test_shard_batch_of_an_empty_batch_names_itself(monkeypatch: pytest.MonkeyPa
         match=r"fdp.distributed.shard_batch: the batch is empty \(dim 0 of batch\[0\] has size 0\)",
     ):
         fdp.distributed.shard_batch((torch.zeros(0, 3),))
+
+
+def test_a_rank_failing_inside_try_finally_shutdown_still_tells_the_others(tmp_path: Path) -> None:
+    # shutdown() in a finally block runs before sys.excepthook, which then found fdp shut down:
+    # rank 0 saw only a lost connection, "probably died without recording a failure".
+    results, codes = spawn(distributed_workers.failure_in_finally, tmp_path)
+    assert codes[1] != 0
+    rank0 = results[0]
+    assert rank0["error"] == "RankFailed", rank0
+    assert "rank 1 failed" in rank0["message"], rank0
+    assert "RuntimeError: rank 1's data loader broke" in rank0["message"], rank0
+    assert rank0["seconds"] < 10, rank0
