@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 _FAILURE_PREFIX = "fdp/failure/"
+_LEFT_PREFIX = "fdp/left/"
 _POLL = datetime.timedelta(seconds=0.5)
 # The descriptor that every process-level collective is checked with (see _agree): 8 bytes of
 # payload (a replica count), then the description's text.
@@ -361,6 +362,11 @@ def initialize(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         backend = str(dist.get_backend())  # what the group runs, for _polls
+    # What this rank left in the store in an earlier session of this attempt (initialize after
+    # shutdown) is not news to this one's calls, which count from 0 again.
+    for key in (_FAILURE_PREFIX, _LEFT_PREFIX):
+        with contextlib.suppress(Exception):
+            store.delete_key(f"{key}{attempt}/{rank}")
     _STATE = _State(
         rank,
         world_size,
@@ -436,7 +442,9 @@ def shutdown() -> None:
 
     Does nothing when :func:`initialize` has not run (or :func:`shutdown` already did), so it
     can be called unconditionally at the end of a program, or in a ``finally:`` block: an
-    exception propagating through it is recorded for the other ranks (:func:`record_failure`).
+    exception propagating through it is recorded for the other ranks (:func:`record_failure`),
+    and a clean exit leaves a note, so that ranks still making pmapped calls with an axis name
+    fail at once, naming this rank, instead of waiting for it until the timeout.
 
     Examples:
         >>> import fdp
@@ -450,10 +458,14 @@ def shutdown() -> None:
         return
     # Called in a ``finally:`` block while an exception propagates, shutdown runs before
     # sys.excepthook, which would find fdp shut down and tell no one: the other ranks would
-    # see only a lost connection. Record the exception here.
+    # see only a lost connection. Record the exception here; a clean exit leaves a note instead,
+    # so that ranks still making pmapped calls learn that this one has left, and after which.
     leaving = sys.exc_info()[1]
     if leaving is not None and not (isinstance(leaving, SystemExit) and leaving.code in (None, 0)):
         record_failure(leaving)
+    else:
+        with contextlib.suppress(Exception):  # the store may be gone already
+            state.store.set(_left_key(state, state.rank), str(state.calls))
     _STATE = None
     state.communicator.close()
     if state.owns_group and _group_alive(state):  # not a group made after the user destroyed it
@@ -517,27 +529,79 @@ def _failure_key(state: _State, rank: int) -> str:
     return f"{_FAILURE_PREFIX}{state.attempt}/{rank}"
 
 
+def _left_key(state: _State, rank: int) -> str:
+    """Where :func:`shutdown` notes after how many pmapped calls ``rank`` left."""
+    return f"{_LEFT_PREFIX}{state.attempt}/{rank}"
+
+
 def _record(state: _State, error: BaseException, call: int) -> None:
     message = "".join(traceback.format_exception_only(type(error), error)).strip()
     with contextlib.suppress(Exception):  # the store may be gone already: nothing more to tell
         state.store.set(_failure_key(state, state.rank), f"{call}\n{message}")
 
 
-def _failed_rank(state: _State) -> tuple[int, str] | None:
-    """A rank that recorded a failure of the current call (or a later one), and its message."""
+def _records(state: _State) -> list[tuple[int, str, int, str]]:
+    """What the other ranks left in the store for this attempt: ``(rank, "failure", call,
+    message)`` for a recorded failure, ``(rank, "left", calls, "")`` for a rank that called
+    :func:`shutdown` after ``calls`` pmapped calls. (Nothing, once the store is gone.)"""
+    found: list[tuple[int, str, int, str]] = []
     for other in range(state.world_size):
         if other == state.rank:
             continue
-        key = _failure_key(state, other)
         try:
-            if not state.store.check([key]):
-                continue
-            call, _, message = state.store.get(key).decode().partition("\n")
+            failure, left = _failure_key(state, other), _left_key(state, other)
+            if state.store.check([failure]):
+                call, _, message = state.store.get(failure).decode().partition("\n")
+                found.append((other, "failure", int(call), message))
+            if state.store.check([left]):
+                found.append((other, "left", int(state.store.get(left).decode()), ""))
         except Exception:  # noqa: BLE001 - a store that is gone tells nothing
-            return None
-        if int(call) >= state.calls:
-            return other, message
+            return found
+    return found
+
+
+def _failed_rank(state: _State) -> tuple[int, str, int, str] | None:
+    """A rank that recorded a failure of the current call (or a later one), or that left
+    (:func:`shutdown`) before the current call: its record (see :func:`_records`)."""
+    for record in _records(state):
+        _, kind, call, _ = record
+        if (kind == "failure" and call >= state.calls) or (kind == "left" and call < state.calls):
+            return record
     return None
+
+
+def _news(state: _State, record: tuple[int, str, int, str], what: str) -> str:
+    """What a record says, after ``"rank N "``, to a rank waiting in ``what``."""
+    _, kind, call, message = record
+    if kind == "failure":
+        return f"failed during {what}: {message}"
+    return (
+        f"called fdp.distributed.shutdown() after {call} pmapped call{'s' if call != 1 else ''} "
+        f"with an axis name, while this rank waits for it in {what} of pmapped call "
+        f"#{state.calls}. Every process must make the same pmapped calls with an axis name (each "
+        "spans every process): one made on some ranks only, such as an evaluation under `if "
+        "fdp.distributed.is_main_process():`, waits for ranks that will not come"
+    )
+
+
+def _last_words(state: _State, what: str, ranks: Sequence[int] | None = None) -> str:
+    """What the other ranks (or ``ranks``) left in the store, for a message about a rank that is
+    gone or late: a failure, of this call or an earlier one (the ranks are then out of step),
+    or its shutdown. Empty when they left nothing."""
+    said = []
+    for record in _records(state):
+        other, kind, call, message = record
+        if ranks is not None and other not in ranks:
+            continue
+        if kind == "failure" and call < state.calls:
+            said.append(
+                f"Rank {other} had failed in pmapped call #{call}, which this rank finished (a "
+                "call that fails on some ranks only leaves the ranks out of step; this rank is "
+                f"in pmapped call #{state.calls}): {message}"
+            )
+        else:
+            said.append(f"Rank {other} {_news(state, record, what)}")
+    return "".join(f" {text}" if text.endswith(".") else f" {text}." for text in said)
 
 
 def _polls(state: _State, device: torch.device) -> bool:
@@ -593,12 +657,14 @@ def _succeeded(work: Any) -> bool:
 def _timed_out(state: _State, what: str) -> str:
     return (
         f"fdp.distributed: {what} timed out after {state.timeout} on rank {state.rank}; another rank "
-        "may be hung"
+        "may be hung." + _last_words(state, what)
     )
 
 
-def _raise_rank_failed(state: _State, what: str, failed: tuple[int, str], error: BaseException) -> None:
-    raise RankFailed(f"fdp.distributed: rank {failed[0]} failed during {what}: {failed[1]}") from error
+def _raise_rank_failed(
+    state: _State, what: str, failed: tuple[int, str, int, str], error: BaseException
+) -> None:
+    raise RankFailed(f"fdp.distributed: rank {failed[0]} {_news(state, failed, what)}") from error
 
 
 def _raise_if_rank_failed(state: _State, what: str, error: BaseException) -> None:
@@ -622,10 +688,18 @@ def _raise_failure(state: _State, what: str, error: BaseException) -> None:
         peer = f"rank {1 - state.rank}" if state.world_size == 2 else "another rank"
         address = _ADDRESS.search(text)
         at = f" at {address.group(0)}" if address else ""
+        # What the lost rank left in the store (with 2 ranks, the peer is known): an earlier
+        # call's failure, or its shutdown after fewer pmapped calls than this rank makes.
+        known = _last_words(state, what, [1 - state.rank] if state.world_size == 2 else None)
         raise RankFailed(
-            f"fdp.distributed: rank {state.rank} lost its connection to {peer}{at} during {what}: "
-            "that process has probably died without recording a failure (killed, out of memory, "
-            f"os._exit); see its log. gloo: {text.splitlines()[0] if text else ''}"
+            f"fdp.distributed: rank {state.rank} lost its connection to {peer}{at} during {what}"
+            + (
+                f" (pmapped call #{state.calls}).{known}"
+                if known
+                else ": that process has probably died without recording a failure (killed, out "
+                "of memory, os._exit); see its log."
+            )
+            + f" gloo: {text.splitlines()[0] if text else ''}"
         ) from error
     if "timed out" in text.lower():
         raise RankFailed(_timed_out(state, what)) from error

@@ -486,3 +486,37 @@ def failure_in_finally(rank: int, world: int, folder: str) -> None:
         report(folder, rank, result | {"seconds": time.monotonic() - began})
     finally:
         fdp.distributed.shutdown()
+
+
+def leaving_early(rank: int, world: int, folder: str) -> None:
+    """Rank 1 calls fdp.distributed.shutdown() after one pmapped call and stays (a group made
+    beforehand, which shutdown leaves to its owner), while rank 0 makes a second call (an
+    evaluation on rank 0 alone, say): rank 0 must learn that rank 1 left, not wait for it until
+    the timeout."""
+    import torch.distributed.nn.functional  # noqa: F401 - before the group (docs/distributed.md)
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(folder) / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    done = Path(folder) / "rank0_done"
+    try:
+        fdp.distributed.initialize(timeout=20.0)
+        psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+        psum(torch.ones(2))
+        if rank == 1:
+            fdp.distributed.shutdown()
+            deadline = time.monotonic() + 60
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return
+        began = time.monotonic()
+        try:
+            psum(torch.ones(2))
+            result = {"error": None}
+        except Exception as error:  # noqa: BLE001
+            result = {"error": type(error).__name__, "message": str(error)}
+        report(folder, rank, result | {"seconds": time.monotonic() - began})
+        done.touch()
+    finally:
+        fdp.distributed.shutdown()
+        dist.destroy_process_group()

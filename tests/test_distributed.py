@@ -379,3 +379,15 @@ def test_a_rank_failing_inside_try_finally_shutdown_still_tells_the_others(tmp_p
     assert "rank 1 failed" in rank0["message"], rank0
     assert "RuntimeError: rank 1's data loader broke" in rank0["message"], rank0
     assert rank0["seconds"] < 10, rank0
+
+
+def test_a_rank_that_shut_down_is_named_by_the_ranks_still_calling(tmp_path: Path) -> None:
+    # A pmapped call on rank 0 alone (rank 1 has shut down, its group left as it was): rank 0
+    # waited for rank 1 until the timeout, "another rank may be hung".
+    results, codes = spawn(distributed_workers.leaving_early, tmp_path)
+    assert codes == [0, 0], results
+    rank0 = results[0]
+    assert rank0["error"] == "RankFailed", rank0
+    assert "rank 1 called fdp.distributed.shutdown() after 1 pmapped call" in rank0["message"], rank0
+    assert "pmapped call #2" in rank0["message"] and "is_main_process()" in rank0["message"], rank0
+    assert rank0["seconds"] < 10, rank0  # not the 20 s timeout
