@@ -319,15 +319,23 @@ def test_data_parallel_on_two_replicas_of_one_gpu_matches_the_module() -> None:
 def test_data_parallel_training_steps_match_the_module(
     devices: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One device hands the parameters to its replica as they are: placed once for all steps.
-    # Two replicas of one GPU give the second a view of each (see alias_shared_leaves), made
-    # again after each optimizer step.
+    # One device that holds the whole module runs the module itself: nothing is placed, and
+    # inputs already on the GPU skip the general scatter too. Two replicas of one GPU give the
+    # second a view of each parameter (see alias_shared_leaves), made again after each
+    # optimizer step.
     from fdp import _data_parallel
 
     placed: list[int] = []
+    scattered: list[int] = []
     replicate = _data_parallel._scatter.replicate
+    scatter = _data_parallel._pmap._scatter.scatter_leaves
     monkeypatch.setattr(
         _data_parallel._scatter, "replicate", lambda *a, **k: placed.append(1) or replicate(*a, **k)
+    )
+    monkeypatch.setattr(
+        _data_parallel._pmap._scatter,
+        "scatter_leaves",
+        lambda *a, **k: scattered.append(1) or scatter(*a, **k),
     )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).cuda()
@@ -337,7 +345,8 @@ def test_data_parallel_training_steps_match_the_module(
     wrapped = fdp.DataParallel(model, device_ids=devices)
     for net in (wrapped, reference):
         sgd_steps(net, x, y)
-    assert len(placed) == (1 if len(devices) == 1 else 3)
+    assert len(placed) == (0 if len(devices) == 1 else 3)
+    assert len(scattered) == (0 if len(devices) == 1 else 3)
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
