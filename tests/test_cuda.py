@@ -6,6 +6,7 @@ Marked ``cuda``: skipped on machines without CUDA (CI). Run them on a GPU machin
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -364,3 +365,82 @@ def test_grad_of_psum_with_a_cpu_leaf_first_still_refuses_a_shared_gpu() -> None
     step = fdp.pmap(f, axis_name="i", devices=TWO_ON_ONE)
     with pytest.raises(RuntimeError, match="cannot run on replicas that share cuda:0"):
         finishes(lambda: step(torch.ones(2, 3, device="cuda")))
+
+
+def batch_norm_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    with torch.no_grad():  # running statistics away from their defaults
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model.double().cuda()
+
+
+def weighted_sum(y: torch.Tensor) -> torch.Tensor:
+    return (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)).sum()
+
+
+@pytest.mark.parametrize("devices", ["one", "two_on_one", "several"])
+def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch(devices: str) -> None:
+    # The replicas' statistics meet in one all_gather: a lone replica's, two replicas' on two
+    # streams of one GPU (each one's kernels ordered around the exchange), replicas across GPUs.
+    targets = {"one": ["cuda:0"], "two_on_one": TWO_ON_ONE}.get(devices) or several_gpus()
+    model = batch_norm_model()
+    torch.manual_seed(1)
+    x = torch.randn(10, 3, 3, 2, dtype=torch.float64, device="cuda") * 0.1 + 30.0
+    reference = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    want_y = reference(xr)
+    want_grads = torch.autograd.grad(weighted_sum(want_y), [xr, *reference.parameters()])
+
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    params = {k: v.detach().requires_grad_() for k, v in synced.named_parameters()}
+    buffers = {k: v.clone() for k, v in synced.named_buffers()}
+
+    @fdp.pmap(in_axes=(None, None, 0), out_axes=(0, fdp.PER_REPLICA), axis_name="batch", devices=targets)
+    def step(params, buffers, x):
+        return fdp.stateful_call(synced, params, buffers, (x,))
+
+    xs = x.clone().requires_grad_()
+    y, new_buffers = step(params, buffers, xs)
+    grads = torch.autograd.grad(weighted_sum(y), [xs, *params.values()])
+    assert y.device == torch.device("cuda", 0)
+    torch.testing.assert_close(y, want_y.detach())
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want)
+    for name, want in reference.named_buffers():
+        for value in new_buffers[name].values:  # every replica holds the whole batch's statistics
+            torch.testing.assert_close(value.to(want.device), want)
+
+
+def test_sync_batch_norm_shared_by_replicas_on_two_streams_updates_its_statistics_once() -> None:
+    # The layer in the mapped function's closure: each replica reads the running statistics
+    # before the exchange and writes them after it, on its own stream of the one GPU. The
+    # exchange orders every read before any write (a write first would be applied twice).
+    layer = fdp.SyncBatchNorm(3, axis_name="i").double().cuda()
+    want = nn.BatchNorm1d(3).double().cuda()
+    f = fdp.pmap(lambda x: layer(x), axis_name="i", devices=["cuda:0"] * 3)
+    torch.manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(12, 3, 2, dtype=torch.float64, device="cuda") * 2 + 5
+        torch.testing.assert_close(f(x), want(x))
+    torch.testing.assert_close(layer.running_mean, want.running_mean)
+    torch.testing.assert_close(layer.running_var, want.running_var)
+    assert layer.num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize("devices", [["cuda:0"], TWO_ON_ONE], ids=["one", "two_on_one"])
+def test_sync_batch_norm_through_data_parallel(devices: list[str]) -> None:
+    # One device runs the module itself, its lone replica exchanging with no one; two replicas
+    # of one GPU exchange their statistics, and their buffers come back to the module.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).double().cuda()
+    reference = copy.deepcopy(model)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name="batch")
+    wrapped = fdp.DataParallel(synced, device_ids=devices, axis_name="batch")
+    x = torch.randn(12, 6, dtype=torch.float64, device="cuda")
+    y = torch.randn(12, 2, dtype=torch.float64, device="cuda")
+    for net in (wrapped, reference):
+        sgd_steps(net, x, y)
+    for (name, a), b in zip(synced.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
