@@ -610,7 +610,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         norms = torch._foreach_norm(g, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        clipped: Leaves = torch._foreach_mul(g, scale)
+        try:
+            clipped: Leaves = torch._foreach_mul(g, scale)
+        except RuntimeError:
+            # Gradients on several devices (a model split over GPUs, or partly on the CPU): a
+            # CUDA scale times a tensor on another device is a device mismatch. The scale is
+            # copied once to each device, as clip_grad_norm_ does. (Tested only on failure:
+            # reading every leaf's device on each step would cost more than the product.)
+            first = g[0].device
+            if all(t.device == first for t in g):
+                raise
+            scales = {first: scale}
+            for t in g:
+                if t.device not in scales:
+                    scales[t.device] = scale.to(t.device)
+            clipped = [t * scales[t.device] for t in g]
         # clip_grad_norm_ scales in place, so every gradient keeps its dtype. Out of place, a
         # 0-dim gradient promotes with the 0-dim scale, of the widest dtype among the norms
         # (a float32 scalar beside float64 gradients would come back float64, which the

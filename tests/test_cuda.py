@@ -444,3 +444,14 @@ def test_sync_batch_norm_through_data_parallel(devices: list[str]) -> None:
         sgd_steps(net, x, y)
     for (name, a), b in zip(synced.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_clip_by_global_norm_with_gradients_on_several_devices() -> None:
+    # The first gradient (by key) on the GPU: the scale, computed there, must reach the others.
+    clip = optim.clip_by_global_norm(1.0)
+    for other in ["cpu"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
+        grads = {"a": torch.tensor([3.0, 0.0], device="cuda:0"), "b": torch.tensor([0.0, 4.0], device=other)}
+        clipped, _ = clip.update(grads, clip.init(None))
+        assert clipped["a"].device == grads["a"].device and clipped["b"].device == grads["b"].device
+        torch.testing.assert_close(clipped["a"].cpu(), torch.tensor([0.6, 0.0]))
+        torch.testing.assert_close(clipped["b"].cpu(), torch.tensor([0.0, 0.8]))
