@@ -455,3 +455,43 @@ def test_clip_by_global_norm_with_gradients_on_several_devices() -> None:
         assert clipped["a"].device == grads["a"].device and clipped["b"].device == grads["b"].device
         torch.testing.assert_close(clipped["a"].cpu(), torch.tensor([0.6, 0.0]))
         torch.testing.assert_close(clipped["b"].cpu(), torch.tensor([0.0, 0.8]))
+
+
+def test_one_gpu_replica_runs_without_the_general_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every tensor already on the replica's GPU: the arguments reach it as they are (numbers
+    # and other objects too). A CPU tensor among them takes the general path, which moves it.
+    from fdp import _scatter
+
+    scattered: list[int] = []
+    scatter = _scatter.scatter_leaves
+    monkeypatch.setattr(_scatter, "scatter_leaves", lambda *a, **k: scattered.append(1) or scatter(*a, **k))
+    seen: list[torch.device] = []
+
+    @fdp.pmap(in_axes=(0, None, None), devices=["cuda:0"])
+    def f(x, w, scale):
+        seen.append(w.device)
+        return x @ w * scale
+
+    x, w = torch.randn(6, 4, device="cuda"), torch.randn(4, 2, device="cuda")
+    torch.testing.assert_close(f(x, w, 2.0), x @ w * 2.0)
+    assert scattered == [] and seen == [torch.device("cuda", 0)]
+    torch.testing.assert_close(f(x, w.cpu(), 2.0), x @ w * 2.0)
+    assert scattered == [1] and seen[-1] == torch.device("cuda", 0)
+    on_cpu = fdp.pmap(lambda x: x + 1, devices=["cuda:0"], output_device="cpu")(x)
+    assert on_cpu.device == torch.device("cpu")
+    torch.testing.assert_close(on_cpu, x.cpu() + 1)
+
+
+def test_data_parallel_on_one_gpu_with_the_module_on_the_cpu() -> None:
+    # The module is not on its one device: its parameters are placed there (again after each
+    # optimizer step), gradients flow back to them, and BatchNorm's statistics come back.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    wrapped = fdp.DataParallel(model, device_ids=["cuda:0"], output_device="cpu")
+    x, y = torch.randn(12, 6), torch.randn(12, 2)
+    for net in (wrapped, reference):
+        sgd_steps(net, x, y)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert a.device == torch.device("cpu")
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
