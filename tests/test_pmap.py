@@ -320,6 +320,36 @@ def test_nested_inputs_are_split_and_types_kept(devices: list[str]) -> None:
     torch.testing.assert_close(out["od"]["a"], tree["od"]["a"])
 
 
+def test_dataclasses_nested_in_a_dataclass_never_seen_before_are_split_on_the_first_call() -> None:
+    """Dataclasses met for the first time, one inside another, are all containers from the
+    first call: the innermost one's tensors are split, not handed whole to every replica."""
+
+    @dataclasses.dataclass
+    class Inner:
+        x: torch.Tensor
+
+    @dataclasses.dataclass
+    class Middle:
+        inner: Inner
+
+    @dataclasses.dataclass
+    class Outer:
+        middle: Middle
+        y: torch.Tensor
+
+    rows: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def f(o: Outer) -> torch.Tensor:
+        with lock:
+            rows.append((o.middle.inner.x.shape[0], o.y.shape[0]))
+        return o.middle.inner.x + o.y
+
+    out = fdp.pmap(f, devices=cpus(2))(Outer(Middle(Inner(torch.arange(4.0))), torch.ones(4)))
+    assert sorted(rows) == [(2, 2), (2, 2)]
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
     @dataclasses.dataclass
     class WithDerived:
@@ -1118,6 +1148,26 @@ def test_dict_containers_are_each_calls_own_even_when_the_keys_repeat(n: int) ->
         seen.clear()
         mapped(tree)
         assert seen == [(type(tree), list(tree))] * n
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_deques_are_each_calls_own_even_when_their_length_repeats(n: int) -> None:
+    """optree's flatten_up_to matches a deque by its length, not its maxlen: a deque of another
+    maxlen than the last call's reaches the replicas, and comes back, with its own maxlen."""
+    x = torch.arange(4.0)
+    seen: list[int | None] = []
+
+    def f(d: collections.deque) -> collections.deque:
+        seen.append(d.maxlen)
+        return d
+
+    mapped = fdp.pmap(f, devices=cpus(n))
+    for maxlen in (3, 3, 5, None):
+        seen.clear()
+        out = mapped(collections.deque([x, 2 * x], maxlen=maxlen))
+        assert seen == [maxlen] * n
+        assert type(out) is collections.deque and out.maxlen == maxlen
+        torch.testing.assert_close(out[1], 2 * x)
 
 
 @pytest.mark.parametrize("n", [1, 2])

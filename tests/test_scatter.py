@@ -46,6 +46,18 @@ def test_scatter_takes_a_list_of_axes_for_a_list_or_a_tuple(tree_type: type) -> 
     assert all(s[1] is w for s in shards)
 
 
+def test_a_shard_that_is_the_whole_tensor_is_the_tensor_itself_whatever_the_axis() -> None:
+    """One replica that runs gets the tensor itself (no view of it), along any axis as along
+    axis 0: onto one device, or a batch of one row over several."""
+    x = torch.randn(3, 4)
+    for axis in (0, 1, -1):
+        [shard] = fdp.scatter(x, cpus(1), in_axes=axis)
+        assert shard is x
+    column = torch.randn(3, 1)
+    [(shard, label)] = fdp.scatter((column, torch.zeros(1)), cpus(4), in_axes=(1, 0))
+    assert shard is column
+
+
 def test_scatter_is_differentiable() -> None:
     x = torch.randn(7, 2, requires_grad=True)
     shards = fdp.scatter(x, cpus(3))

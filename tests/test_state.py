@@ -97,6 +97,26 @@ def test_state_on_other_devices_is_an_error(n: int) -> None:
         fdp.pmap(lambda s, x: x, devices=cpus(n))(empty, torch.zeros(3))
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_state_held_on_another_kind_of_device_is_an_error(n: int) -> None:
+    """State held on as many devices as the call runs, but not on the call's devices (here the
+    meta device), is refused, by one replica as by several: never handed to the replicas where
+    it is."""
+    state = fdp.PerReplica([torch.zeros(2, device="meta") for _ in range(n)], [torch.device("meta")] * n)
+    with pytest.raises(
+        ValueError, match=rf"args\[0\] holds {n} values, one per replica on \['meta'.* runs {n} replicas? on"
+    ):
+        fdp.pmap(lambda s, x: x, devices=cpus(n))(state, torch.zeros(4))
+
+
+def test_per_replica_outputs_of_a_call_that_runs_fewer_replicas_than_devices() -> None:
+    """A batch that runs fewer replicas than devices (10 rows over 8 with split='chunk') gives
+    PerReplica outputs of the replicas that ran, on their devices."""
+    out = fdp.pmap(lambda x: x.sum(), devices=cpus(8), out_axes=fdp.PER_REPLICA)(torch.ones(10))
+    assert isinstance(out, fdp.PerReplica)
+    assert [float(v) for v in out] == [2.0] * 5 and out.devices == (torch.device("cpu"),) * 5
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_state_alone_on_other_devices_is_an_error(n: int) -> None:
     # With nothing mapped as with a batch: a state on 2 devices must not run 2 of the call's 3
