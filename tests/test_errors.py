@@ -113,6 +113,20 @@ def test_an_array_that_is_not_a_tensor_under_an_int_axis_is_refused(devices: int
 
 
 @pytest.mark.parametrize("devices", [1, 2])
+def test_an_object_with_a_shape_that_is_no_array_reaches_every_replica_whole(devices: int) -> None:
+    """Only arrays (objects with ``__array__``) under an int axis are refused: any other object
+    that has a ``shape`` (a config, a shape record) reaches every replica as it is."""
+
+    class Geometry:
+        shape = (4, 3)
+
+    geometry = Geometry()
+    seen: list[Any] = []
+    fdp.pmap(lambda x, g: seen.append(g) or x, devices=cpus(devices))(torch.zeros(4), geometry)
+    assert len(seen) == devices and all(g is geometry for g in seen)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
 def test_an_array_refused_by_data_parallel_or_scatter_gets_their_way_out(devices: int) -> None:
     # Neither has pmap's positional in_axes: fdp.DataParallel maps every argument (the advice
     # to give the array axis None in fdp.pmap's in_axes was of no use there), and fdp.scatter

@@ -896,6 +896,29 @@ def test_unrebuildable_dataclass_passes_whole_unless_it_must_be_split() -> None:
     assert all(c is config for c in seen)
 
 
+def test_a_dataclass_with_an_init_var_passes_whole_unless_it_must_be_split() -> None:
+    """A dataclass with an InitVar (not stored on the instance, so fdp cannot rebuild it from
+    its fields) reaches every replica as it is under axis None, and under an int axis, holding a
+    tensor, is refused with the reason."""
+
+    @dataclasses.dataclass
+    class Scaled:
+        x: torch.Tensor
+        factor: dataclasses.InitVar[float]
+
+        def __post_init__(self, factor: float) -> None:
+            self.x = self.x * factor
+
+    scaled = Scaled(torch.ones(4), 2.0)
+    seen: list[Any] = []
+    out = fdp.pmap(lambda x, s: seen.append(s) or x * s.x.sum(), in_axes=(0, None), devices=cpus(2))(
+        torch.ones(4), scaled
+    )
+    assert all(s is scaled for s in seen) and out.tolist() == [8.0] * 4
+    with pytest.raises(TypeError, match=r"args\[0\]: fdp cannot split the dataclass .*Scaled: its InitVar"):
+        fdp.pmap(lambda s: s.x, devices=cpus(2))(scaled)
+
+
 # --- one replica: the arguments are handed over as they are ----------------------------------
 
 
