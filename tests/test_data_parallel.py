@@ -103,6 +103,17 @@ def test_seed_data_parallel_model_wrapping_one_block() -> None:
 # --- nn.DataParallel's bugs, fixed -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("split", ["chunk", "balanced"])
+def test_a_batch_smaller_than_the_devices_runs_on_the_first_copies_of_the_parameters(split: str) -> None:
+    """A batch that runs fewer replicas than devices (2 rows over 4), as nn.DataParallel allows:
+    the parameters placed on every device serve the replicas that run, call after call."""
+    net = nn.Linear(3, 2)
+    model = fdp.DataParallel(net, device_ids=cpus(4), split=split)
+    for rows in (4, 2, 1, 4):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(model(x), net(x))
+
+
 def test_kwargs_scatter_with_the_positional_args() -> None:
     """nn.DataParallel builds 8 replicas here, 5 of them with no positional args (TypeError)."""
 
