@@ -1,8 +1,10 @@
 """The caller's thread-local torch state, carried into the replica threads.
 
-Grad mode, inference mode, autocast, the default saved-tensor hooks and the number of intra-op
-threads are thread-local in torch, and ``contextvars`` values are per thread in Python (user code
-keeps settings there, and so does some of torch's configuration).
+Grad mode, inference mode, autocast, the default saved-tensor hooks, the number of intra-op
+threads and a few rarer switches (forward-AD enabled, saved-tensor hooks disabled, autograd
+multithreading, view replay, disabled ``__torch_function__``: see :class:`Rare`) are
+thread-local in torch, and ``contextvars`` values are per thread in Python (user code keeps
+settings there, and so does some of torch's configuration).
 A worker thread starts with none of them, so each task captures the caller's state and the
 worker enters it around the replica. ``nn.DataParallel`` carries only grad mode and the autocast
 *enabled* flag, so a bfloat16 autocast region runs in float16 on its replicas; here the dtype,
@@ -31,7 +33,26 @@ _AUTOCAST_DEVICE_TYPES = tuple(
 )
 
 
+class Rare(NamedTuple):
+    """Thread-local autograd and ``__torch_function__`` switches that are rarely moved from their
+    defaults (captured as a whole only when one is): all of them are in what torch itself carries
+    into its autograd threads (``at::ThreadLocalState``)."""
+
+    # torch.autograd.forward_ad._set_fwd_grad_enabled (default True).
+    fwd_grad_enabled: bool
+    # torch.autograd.graph.disable_saved_tensors_hooks: its message, or None (the default).
+    saved_tensors_hooks_disabled: str | None
+    # torch.autograd.set_multithreading_enabled (default True).
+    multithreading_enabled: bool
+    # torch.autograd._force_original_view_tracking (default False).
+    view_replay_enabled: bool
+    # torch._C.DisableTorchFunctionSubclass (1) or DisableTorchFunction (2); 0 by default.
+    torch_function_disabled: int
+
+
 class ThreadState(NamedTuple):  # immutable, and cheap to build on every call
+    # Nothing but grad mode, the thread count and the context to enter (the common case).
+    plain: bool
     grad_enabled: bool
     inference_mode: bool
     # (device_type, dtype) for every device type whose autocast is enabled.
@@ -45,6 +66,27 @@ class ThreadState(NamedTuple):  # immutable, and cheap to build on every call
     # caller's own) runs in a copy of its own, since a context is entered by one thread at a time
     # and what one replica sets must not reach another.
     context: contextvars.Context
+    rare: Rare | None  # None where every switch has its default
+
+
+def _rare() -> Rare | None:
+    C = torch._C  # noqa: N806
+    if (
+        C._is_fwd_grad_enabled()
+        and C._autograd._saved_tensors_hooks_get_disabled_error_message() is None  # type: ignore[attr-defined]
+        and C._is_multithreading_enabled()
+        and not C._is_view_replay_enabled()
+        and C._is_torch_function_enabled()
+    ):
+        return None  # the usual case: five reads
+    disabled = 0 if C._is_torch_function_enabled() else 2 if C._is_torch_function_all_disabled() else 1
+    return Rare(
+        fwd_grad_enabled=C._is_fwd_grad_enabled(),
+        saved_tensors_hooks_disabled=C._autograd._saved_tensors_hooks_get_disabled_error_message(),  # type: ignore[attr-defined]
+        multithreading_enabled=C._is_multithreading_enabled(),
+        view_replay_enabled=C._is_view_replay_enabled(),
+        torch_function_disabled=disabled,
+    )
 
 
 def capture() -> ThreadState:
@@ -54,14 +96,19 @@ def capture() -> ThreadState:
         autocast = tuple(
             (t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
         )
+    inference_mode = torch.is_inference_mode_enabled()
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # type: ignore[attr-defined]
+    rare = _rare()
     return ThreadState(
+        plain=not (inference_mode or autocast or hooks is not None or rare is not None),
         grad_enabled=torch.is_grad_enabled(),
-        inference_mode=torch.is_inference_mode_enabled(),
+        inference_mode=inference_mode,
         autocast=autocast,
         autocast_cache=torch.is_autocast_cache_enabled() if autocast else True,
-        saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),  # type: ignore[attr-defined]
+        saved_tensors_hooks=hooks,
         num_threads=torch.get_num_threads(),
         context=contextvars.copy_context(),
+        rare=rare,
     )
 
 
@@ -77,8 +124,8 @@ def saves_in_order(state: ThreadState) -> bool:
 class applied:
     """Enters ``state`` in the current thread for the duration of the block.
 
-    A class with a short path for the usual state (grad mode only, no autocast, inference mode
-    or hooks): this runs for every replica of every call.
+    A class with a short path for the usual state (grad mode only, no autocast, inference mode,
+    hooks or rare switches): this runs for every replica of every call.
     """
 
     __slots__ = ("_state", "_stack", "_grad")
@@ -92,7 +139,7 @@ class applied:
         if torch.get_num_threads() != state.num_threads:
             torch.set_num_threads(state.num_threads)  # kept: the worker follows its callers
         self._grad = torch.is_grad_enabled()
-        if not (state.inference_mode or state.autocast or state.saved_tensors_hooks is not None):
+        if state.plain:
             torch._C._set_grad_enabled(state.grad_enabled)
             return
         stack = self._stack = contextlib.ExitStack()
@@ -103,9 +150,40 @@ class applied:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=state.autocast_cache))
         if state.saved_tensors_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*state.saved_tensors_hooks))
+        if state.rare is not None:
+            _enter_rare(state.rare, stack)
 
     def __exit__(self, *exc: object) -> None:
         if self._stack is not None:
             self._stack.close()
         else:
             torch._C._set_grad_enabled(self._grad)
+
+
+def _enter_rare(rare: Rare, stack: contextlib.ExitStack) -> None:
+    """Sets the rare switches in this thread, each restored by ``stack``."""
+    C = torch._C  # noqa: N806
+    if C._is_fwd_grad_enabled() != rare.fwd_grad_enabled:
+        C._set_fwd_grad_enabled(rare.fwd_grad_enabled)
+        stack.callback(C._set_fwd_grad_enabled, not rare.fwd_grad_enabled)
+    if C._is_multithreading_enabled() != rare.multithreading_enabled:
+        C._set_multithreading_enabled(rare.multithreading_enabled)
+        stack.callback(C._set_multithreading_enabled, not rare.multithreading_enabled)
+    if C._is_view_replay_enabled() != rare.view_replay_enabled:
+        C._set_view_replay_enabled(rare.view_replay_enabled)
+        stack.callback(C._set_view_replay_enabled, not rare.view_replay_enabled)
+    message = rare.saved_tensors_hooks_disabled
+    if message is not None:  # after the hooks are pushed, as in the caller
+        autograd = C._autograd
+        previous = autograd._saved_tensors_hooks_get_disabled_error_message()  # type: ignore[attr-defined]
+        autograd._saved_tensors_hooks_disable(message, False)  # type: ignore[attr-defined]
+        if previous is None:
+            stack.callback(autograd._saved_tensors_hooks_enable)  # type: ignore[attr-defined]
+        else:
+            stack.callback(autograd._saved_tensors_hooks_disable, previous, False)  # type: ignore[attr-defined]
+    if rare.torch_function_disabled:
+        stack.enter_context(
+            C.DisableTorchFunction()
+            if rare.torch_function_disabled == 2
+            else C.DisableTorchFunctionSubclass()
+        )

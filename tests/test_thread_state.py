@@ -1,5 +1,5 @@
-"""The caller's grad mode, inference mode, autocast (dtype too), saved-tensor hooks and intra-op
-thread count reach every replica."""
+"""The caller's grad mode, inference mode, autocast (dtype too), saved-tensor hooks, intra-op
+thread count and rarer autograd switches reach every replica."""
 
 from __future__ import annotations
 
@@ -179,3 +179,70 @@ def test_contextvars_reach_every_replica(n: int) -> None:
         assert SCALE.get() == -1.0  # replica 0's setting, in the caller's context
     finally:
         SCALE.reset(token)
+
+
+def rare_switches() -> tuple[object, ...]:
+    C = torch._C
+    return (
+        C._is_fwd_grad_enabled(),
+        C._autograd._saved_tensors_hooks_get_disabled_error_message(),
+        C._is_multithreading_enabled(),
+        C._is_view_replay_enabled(),
+        C._is_torch_function_enabled(),
+        C._is_torch_function_all_disabled(),
+    )
+
+
+RARE_SWITCHES = {
+    "forward AD off": lambda: torch.autograd.forward_ad._set_fwd_grad_enabled(False),
+    "saved-tensor hooks disabled": lambda: torch.autograd.graph.disable_saved_tensors_hooks("not here"),
+    "autograd multithreading off": lambda: torch.autograd.set_multithreading_enabled(False),
+    "view replay": lambda: torch.autograd._force_original_view_tracking(True),
+    "torch function off for subclasses": torch._C.DisableTorchFunctionSubclass,
+    "torch function off": torch._C.DisableTorchFunction,
+}
+
+
+@pytest.mark.parametrize("switch", list(RARE_SWITCHES))
+def test_rare_autograd_and_torch_function_switches_reach_every_replica(switch: str) -> None:
+    """What torch carries into its own autograd threads (at::ThreadLocalState) beyond grad mode:
+    forward-AD enabled, saved-tensor hooks disabled, autograd multithreading, view replay and
+    disabled __torch_function__ held only in the caller's thread (replica 0)."""
+    seen: list[tuple[str, tuple[object, ...]]] = []
+    lock = threading.Lock()
+
+    def f(x):
+        with lock:
+            seen.append((threading.current_thread().name, rare_switches()))
+        return x
+
+    g = fdp.pmap(f, devices=cpus(3))
+    with RARE_SWITCHES[switch]():
+        caller = rare_switches()
+        g(torch.ones(3, 2))
+    assert len({name for name, _ in seen}) == 3
+    assert [s for _, s in seen] == [caller] * 3
+    seen.clear()
+    g(torch.ones(3, 2))  # and nothing stays set on the workers
+    assert [s for _, s in seen] == [rare_switches()] * 3
+
+
+def test_disabled_saved_tensor_hooks_refuse_hooks_on_every_replica() -> None:
+    """A library that must not meet saved-tensor hooks (torch.utils.checkpoint, save_on_cpu)
+    inside the mapped function is refused on every replica, not only on replica 0."""
+    refused: list[int] = []
+    lock = threading.Lock()
+
+    def f(x):
+        try:
+            with torch.autograd.graph.save_on_cpu():
+                pass
+        except RuntimeError as error:
+            assert "no hooks in here" in str(error)
+            with lock:
+                refused.append(fdp.axis_index("i"))
+        return fdp.psum(x, "i")
+
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in here"):
+        fdp.pmap(f, axis_name="i", devices=cpus(3))(torch.ones(3, 2))
+    assert sorted(refused) == [0, 1, 2]
