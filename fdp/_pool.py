@@ -93,6 +93,7 @@ class _Worker(threading.Thread):
             self.init_error = error
         finally:
             self._ready.set()
+        fresh = _thread_state.fresh()
         while True:
             task = self.tasks.get()
             if task is None:
@@ -101,8 +102,22 @@ class _Worker(threading.Thread):
             try:
                 task()
             finally:
+                del task  # drop the replica's references before blocking on the queue
+                # The replica has been counted as done: the caller no longer waits for this.
+                if _thread_state.leftovers() != fresh.leftovers:
+                    self._clean(fresh)
                 self.busy = False
-            del task  # drop the replica's references before blocking on the queue
+
+    def _clean(self, fresh: _thread_state.Fresh) -> None:
+        """Takes back the thread-local state a replica left set, which would reach the next
+        replicas this worker runs; a worker that cannot be made fresh again leaves the pool (it
+        runs what is already queued on it, and later calls start a new worker)."""
+        try:
+            if _thread_state.restore(fresh):
+                return
+        except Exception:  # noqa: BLE001 - the worker must keep serving its queue
+            pass
+        _retire([self])
 
 
 # torch runs these float unary ops through MKL's vector math library (VML), which picks each

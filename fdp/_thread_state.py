@@ -12,7 +12,14 @@ the cache flag and every device type's autocast go along.
 
 Not carried (documented in docs/concepts.md): ``torch.set_default_device`` and other
 ``TorchFunctionMode``/``TorchDispatchMode`` stacks, whose mode objects are not made to be
-shared between threads.
+shared between threads; an autocast dtype set while autocast is off; dispatch-key guards
+(``torch._C._DisableTorchDispatch``, ...); the profiler's per-thread ``RecordFunction`` state.
+Anomaly mode, deterministic algorithms, the default dtype, ``torch.backends`` flags and the
+random generators are process-wide: every thread sees them anyway.
+
+The other way round, a replica may leave state set in its worker's thread, which would reach
+the worker's next replicas: each worker compares :func:`leftovers` after every replica with its
+fresh value and takes it back (:func:`restore`), or is replaced where it cannot.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ThreadState", "capture", "applied", "saves_in_order"]
+__all__ = ["ThreadState", "capture", "applied", "saves_in_order", "leftovers", "fresh", "restore"]
 
 _AUTOCAST_DEVICE_TYPES = tuple(
     t
@@ -187,3 +194,73 @@ def _enter_rare(rare: Rare, stack: contextlib.ExitStack) -> None:
             if rare.torch_function_disabled == 2
             else C.DisableTorchFunctionSubclass()
         )
+
+
+def leftovers() -> tuple[object, ...]:
+    """What a replica may leave set in its thread (``torch.set_autocast_enabled``, an autocast
+    or ``saved_tensors_hooks`` entered and never left, ``torch.set_default_device``, ...).
+
+    A worker compares it after each replica with its value in the fresh thread: a worker that
+    kept such state would run the next call's replicas (of any pmapped function) with it, where
+    the caller has none. About a microsecond, after the replica has been counted as done.
+    """
+    C = torch._C  # noqa: N806
+    autograd = C._autograd
+    return (
+        C.is_grad_enabled(),
+        C.is_inference_mode_enabled(),
+        C._is_any_autocast_enabled(),  # type: ignore[attr-defined]
+        C._is_fwd_grad_enabled(),
+        C._is_multithreading_enabled(),
+        C._is_view_replay_enabled(),
+        C._is_torch_function_enabled(),
+        C._len_torch_function_stack(),
+        C._len_torch_dispatch_stack(),
+        autograd._top_saved_tensors_default_hooks(False),  # type: ignore[attr-defined]
+        autograd._saved_tensors_hooks_get_disabled_error_message(),  # type: ignore[attr-defined]
+    )
+
+
+class Fresh(NamedTuple):
+    """A fresh thread's state (taken by each worker when it starts), to go back to."""
+
+    leftovers: tuple[object, ...]
+    autocast_dtypes: tuple[tuple[str, torch.dtype], ...]
+    autocast_cache: bool
+
+
+def fresh() -> Fresh:
+    """The calling thread's state, taken before it runs anything."""
+    return Fresh(
+        leftovers(),
+        tuple((t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+def restore(fresh: Fresh) -> bool:
+    """Puts back what a replica left set in this thread (see :func:`leftovers`); whether that
+    made the thread as fresh. Function and dispatch modes (``torch.set_default_device``) and
+    guards still held cannot be taken back from outside: the worker is then replaced."""
+    C = torch._C  # noqa: N806
+    autograd = C._autograd
+    grad, _, _, fwd_grad, multithreading, view_replay, *_ = fresh.leftovers
+    C._set_grad_enabled(bool(grad))
+    C._set_fwd_grad_enabled(bool(fwd_grad))
+    C._set_multithreading_enabled(bool(multithreading))
+    C._set_view_replay_enabled(bool(view_replay))
+    for device_type, dtype in fresh.autocast_dtypes:
+        torch.set_autocast_enabled(device_type, False)
+        torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_cache_enabled(fresh.autocast_cache)
+    # An autocast entered and never left keeps its nesting level, and the cache of casts (of
+    # weights that may change since) is cleared only when that level goes back to 0.
+    nesting = torch.autocast_increment_nesting()
+    while nesting > 0:
+        nesting = torch.autocast_decrement_nesting()
+    torch.clear_autocast_cache()
+    while autograd._top_saved_tensors_default_hooks(False) is not None:  # type: ignore[attr-defined]
+        autograd._pop_saved_tensors_default_hooks()  # type: ignore[attr-defined]
+    if autograd._saved_tensors_hooks_get_disabled_error_message() is not None:  # type: ignore[attr-defined]
+        autograd._saved_tensors_hooks_enable()  # type: ignore[attr-defined]
+    return leftovers() == fresh.leftovers

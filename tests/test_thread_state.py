@@ -246,3 +246,99 @@ def test_disabled_saved_tensor_hooks_refuse_hooks_on_every_replica() -> None:
     with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in here"):
         fdp.pmap(f, axis_name="i", devices=cpus(3))(torch.ones(3, 2))
     assert sorted(refused) == [0, 1, 2]
+
+
+def leave_autocast() -> None:
+    torch.autocast("cpu", dtype=torch.float16).__enter__()
+
+
+def leave_hooks() -> None:
+    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t).__enter__()
+
+
+def leave_hooks_disabled() -> None:
+    torch.autograd.graph.disable_saved_tensors_hooks("left").__enter__()
+
+
+LEFT_SET = {
+    "set_autocast_enabled": lambda: torch.set_autocast_enabled("cpu", True),
+    "autocast never left": leave_autocast,
+    "forward AD off": lambda: torch._C._set_fwd_grad_enabled(False),
+    "multithreading off": lambda: torch._C._set_multithreading_enabled(False),
+    "saved_tensors_hooks never left": leave_hooks,
+    "disable_saved_tensors_hooks never left": leave_hooks_disabled,
+    "set_default_device": lambda: torch.set_default_device("meta"),
+}
+
+
+def worker_view() -> tuple[object, ...]:
+    return (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_default_device(),
+        torch._C._len_torch_function_stack(),
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        *rare_switches(),
+    )
+
+
+def wait_for_idle_workers() -> None:
+    from fdp import _pool
+
+    while not _pool.idle():
+        threading.Event().wait(0.001)
+
+
+@pytest.mark.parametrize("leave", list(LEFT_SET))
+def test_state_a_replica_leaves_set_does_not_reach_later_calls(leave: str) -> None:
+    """A replica that sets thread-local state and never takes it back sets it in its worker's
+    thread: the worker's next replicas, of any later call, ran with it, where the caller had
+    none. (Replica 0 leaves it in the caller's thread, as a plain call would: the leaking call
+    is made from a thread of its own here.)"""
+
+    def leaks(x):
+        if threading.current_thread() is not caller[0]:
+            LEFT_SET[leave]()
+        return x
+
+    caller: list[threading.Thread] = []
+    thread = threading.Thread(target=lambda: fdp.pmap(leaks, devices=cpus(3))(torch.ones(3, 2)))
+    caller.append(thread)
+    thread.start()
+    thread.join()
+    wait_for_idle_workers()  # a worker that cannot be made fresh again is replaced
+    seen: list[tuple[object, ...]] = []
+    lock = threading.Lock()
+
+    def f(x):
+        with lock:
+            seen.append(worker_view())
+        return x
+
+    fdp.pmap(f, devices=cpus(3))(torch.ones(3, 2))
+    assert seen == [worker_view()] * 3
+
+
+def test_an_autocast_a_replica_never_left_does_not_keep_stale_casts() -> None:
+    """An autocast entered and never left keeps its nesting level in the worker's thread, so
+    the worker never cleared its cache of casts again: a later call under autocast used the
+    weight's cast from before an update, silently."""
+    w = torch.ones(2, 2, requires_grad=True)
+
+    def leaks(x):
+        if threading.current_thread() is not caller[0]:
+            torch.autocast("cpu", dtype=torch.bfloat16).__enter__()
+        return (x @ w).float()
+
+    caller: list[threading.Thread] = []
+    thread = threading.Thread(target=lambda: fdp.pmap(leaks, devices=cpus(3))(torch.ones(3, 2)))
+    caller.append(thread)
+    thread.start()
+    thread.join()
+    wait_for_idle_workers()
+    g = fdp.pmap(lambda x: x @ w, devices=cpus(3))
+    for scale in (2.0, 3.0):
+        with torch.no_grad():
+            w.fill_(scale)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = g(torch.ones(3, 2))
+        assert out.float().tolist() == [[2 * scale] * 2] * 3, out.float().tolist()
