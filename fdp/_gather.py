@@ -267,27 +267,19 @@ def _lone_per_replica(
     leaves: Sequence[Any], inputs: Sequence[Any], devices: Sequence[torch.device]
 ) -> list[_state.PerReplica]:
     """A lone replica's output leaves as :class:`~fdp.PerReplica` leaves, each value in memory
-    of its own: :func:`_own_copies` for one replica, inline.
+    of its own (see :func:`_own_copies`).
 
     A resident training step returns every parameter and optimizer state, and right after the
     step's kernels each call per leaf runs cold (see docs/benchmarks.md, "One replica, after
-    real work"): one loop here, one in ``PerReplica._each``.
+    real work"): the leaves are wrapped in one loop (``PerReplica._each``), and the inputs'
+    ``PerReplica`` leaves, which hold no memory of the call's, are passed over at once.
     """
     per_replica = _state.PerReplica
     taken = set()
     for t in inputs:
         if type(t) is not per_replica and isinstance(t, torch.Tensor):
             taken.add(_storage(t))
-    values = []
-    for v in leaves:
-        if isinstance(v, torch.Tensor) and v.numel() > 0:
-            storage = _storage(v)
-            if storage in taken:
-                v = v.clone()
-                storage = _storage(v)
-            taken.add(storage)
-        values.append(v)
-    return per_replica._each(values, tuple(devices))
+    return per_replica._each(_own_copies(leaves, taken), tuple(devices))
 
 
 def _device_of(value: Any, default: torch.device) -> torch.device:
