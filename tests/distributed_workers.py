@@ -9,6 +9,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,18 @@ def start(rank: int, world: int, folder: str, timeout: float = 30.0) -> None:
 
 def report(folder: str, rank: int, result: dict) -> None:
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def timed_outcome(call: Callable[[], object]) -> dict:
+    """How ``call()`` ended (``error``: None, or the exception's type name beside its
+    ``message``) and the ``seconds`` it took."""
+    began = time.monotonic()
+    try:
+        call()
+        result: dict = {"error": None}
+    except Exception as error:  # noqa: BLE001
+        result = {"error": type(error).__name__, "message": str(error)}
+    return result | {"seconds": time.monotonic() - began}
 
 
 def collectives(rank: int, world: int, folder: str) -> None:
@@ -477,13 +490,7 @@ def failure_in_finally(rank: int, world: int, folder: str) -> None:
         psum(torch.ones(2))
         if rank == 1:
             raise RuntimeError("rank 1's data loader broke")
-        began = time.monotonic()
-        try:
-            psum(torch.ones(2))
-            result = {"error": None}
-        except Exception as error:  # noqa: BLE001
-            result = {"error": type(error).__name__, "message": str(error)}
-        report(folder, rank, result | {"seconds": time.monotonic() - began})
+        report(folder, rank, timed_outcome(lambda: psum(torch.ones(2))))
     finally:
         fdp.distributed.shutdown()
 
@@ -509,13 +516,7 @@ def leaving_early(rank: int, world: int, folder: str) -> None:
             while not done.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             return
-        began = time.monotonic()
-        try:
-            psum(torch.ones(2))
-            result = {"error": None}
-        except Exception as error:  # noqa: BLE001
-            result = {"error": type(error).__name__, "message": str(error)}
-        report(folder, rank, result | {"seconds": time.monotonic() - began})
+        report(folder, rank, timed_outcome(lambda: psum(torch.ones(2))))
         done.touch()
     finally:
         fdp.distributed.shutdown()
