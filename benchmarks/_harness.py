@@ -81,6 +81,38 @@ def interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def issue_times(
+    variants: dict[str, Callable[[], Any]],
+    *,
+    calls: int,
+    rounds: int,
+    sync: Callable[[], None],
+) -> dict[str, float]:
+    """Median seconds from each call's start to its return, with ``sync`` run before every call.
+
+    On a GPU (``sync=torch.cuda.synchronize``) the device is idle when a call starts, so no
+    launch waits for room in the queue and no kernel of an earlier call is still running: the
+    time is the host's, to issue the step. Beside :func:`interleaved`'s time per step it tells a
+    host-bound step (the two about equal) from a device-bound one, and what a variant's Python
+    adds on the host. Rounds are interleaved as there; call the variants warm.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                for _ in range(calls):
+                    sync()
+                    start = time.perf_counter()
+                    fn()
+                    samples[name].append(time.perf_counter() - start)
+        sync()
+    finally:
+        gc.unfreeze()
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]

@@ -6,9 +6,12 @@ test); it fails when a script breaks, e.g. on a change of fdp's API.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,37 @@ def test_soak_reports_before_and_after(tmp_path: Path) -> None:
     assert payload["before"].keys() == payload["after"].keys()
 
 
+def test_issue_times_time_each_call_alone_after_a_sync() -> None:
+    """The GPU script's host time per step: every call starts right after a sync (an idle
+    device), and only the call itself is timed, not the sync before it."""
+    spec = importlib.util.spec_from_file_location("_harness", ROOT / "benchmarks" / "_harness.py")
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    log: list[str] = []
+
+    def sync() -> None:
+        log.append("sync")
+        time.sleep(0.01)  # a device still busy: not part of any call's time
+
+    def call(name: str, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            log.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    variants = {"slow": call("slow", 0.002), "fast": call("fast", 0.0)}
+    times = harness.issue_times(variants, calls=2, rounds=3, sync=sync)
+    assert set(times) == {"slow", "fast"}
+    assert times["slow"] >= 0.002
+    assert times["fast"] < 0.01  # the sync's 10 ms are not counted (sleep(0) returns at once)
+    calls = [entry for entry in log if entry != "sync"]
+    assert calls == (["slow"] * 2 + ["fast"] * 2) * 3  # interleaved rounds
+    assert all(log[i - 1] == "sync" for i, entry in enumerate(log) if entry != "sync")
+    assert log[-1] == "sync"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the script runs in full")
 def test_gpu_script_says_it_needs_cuda() -> None:
     result = subprocess.run(
@@ -70,4 +104,5 @@ def test_gpu_script_says_it_needs_cuda() -> None:
 def test_gpu_script_runs(tmp_path: Path) -> None:
     payload = run_script("gpu", "--rounds", "1", tmp_path=tmp_path)
     assert {row["variant"] for row in payload["steps"]} >= {"plain cuda:0", "fdp resident ['cuda:0']"}
+    assert all(row["host_ms_per_step"] > 0 for row in payload["steps"] if "note" not in row)
     assert all(row["GB_per_s"] > 0 for row in payload["transfers"])
