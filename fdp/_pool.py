@@ -94,30 +94,55 @@ class _Worker(threading.Thread):
         finally:
             self._ready.set()
         fresh = _thread_state.fresh()
+        dirty = False  # left with state it could not take back: see _clean
         while True:
             task = self.tasks.get()
             if task is None:
                 return
             self.busy = True
             try:
-                task()
+                if dirty:
+                    self._run_in_fresh_thread(task)
+                else:
+                    task()
             finally:
                 del task  # drop the replica's references before blocking on the queue
                 # The replica has been counted as done: the caller no longer waits for this.
-                if _thread_state.leftovers() != fresh.leftovers:
-                    self._clean(fresh)
+                if not dirty and _thread_state.leftovers() != fresh.leftovers:
+                    dirty = not self._clean(fresh)
                 self.busy = False
 
-    def _clean(self, fresh: _thread_state.Fresh) -> None:
+    def _clean(self, fresh: _thread_state.Fresh) -> bool:
         """Takes back the thread-local state a replica left set, which would reach the next
-        replicas this worker runs; a worker that cannot be made fresh again leaves the pool (it
-        runs what is already queued on it, and later calls start a new worker)."""
+        replicas this worker runs; whether that made the thread fresh again. A worker that
+        cannot be made fresh leaves the pool (later calls start a new worker); the replicas
+        already queued on it (a concurrent call's, submitted while the replica ran) each run in
+        a fresh thread of their own (see :meth:`_run_in_fresh_thread`), not with that state."""
         try:
             if _thread_state.restore(fresh):
-                return
+                return True
         except Exception:  # noqa: BLE001 - the worker must keep serving its queue
             pass
         _retire([self])
+        return False
+
+    def _run_in_fresh_thread(self, task: Callable[[], None]) -> None:
+        """Runs ``task`` in a new thread and waits for it: a retired worker's queue, in order,
+        without the state its own thread was left with."""
+
+        def run() -> None:
+            if self.device.type == "cuda":
+                with contextlib.suppress(Exception):  # the task must run: it counts itself done
+                    torch.cuda.set_device(self.device)
+            task()
+
+        thread = threading.Thread(target=run, name=f"{self.name}-fresh", daemon=True)
+        try:
+            thread.start()
+        except Exception:  # noqa: BLE001 - no thread to be had: run it here rather than never
+            task()
+            return
+        thread.join()
 
 
 # torch runs these float unary ops through MKL's vector math library (VML), which picks each

@@ -342,3 +342,47 @@ def test_an_autocast_a_replica_never_left_does_not_keep_stale_casts() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = g(torch.ones(3, 2))
         assert out.float().tolist() == [[2 * scale] * 2] * 3, out.float().tolist()
+
+
+def test_a_call_queued_behind_a_replica_that_leaves_a_mode_set_runs_without_it() -> None:
+    """A worker left with a function mode (torch.set_default_device) is replaced, but a call
+    already queued on it (from another thread, while the leaking replica ran) ran its replica
+    in that worker's thread all the same, with the mode: its tensors made on the meta device."""
+    started, release = threading.Event(), threading.Event()
+
+    def leaks(x):
+        if fdp.axis_index("i") == 1:
+            started.set()
+            release.wait(10)
+            torch.set_default_device("meta")
+        return x
+
+    seen: list[torch.device] = []
+
+    def f(x):
+        if fdp.axis_index("j") == 1:
+            seen.append(torch.empty(1).device)
+        return x
+
+    first = threading.Thread(target=lambda: fdp.pmap(leaks, axis_name="i", devices=cpus(2))(torch.ones(2)))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=lambda: fdp.pmap(f, axis_name="j", devices=cpus(2))(torch.ones(2)))
+    second.start()  # its replica 1 is queued on the worker running the leaking replica
+    for _ in range(10_000):
+        if _queued_behind():
+            break
+        threading.Event().wait(0.001)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    assert seen == [torch.device("cpu")]
+
+
+def _queued_behind() -> bool:
+    """Whether a replica waits in the queue of the worker of replica 1 on ``cpus(2)``."""
+    from fdp import _pool
+
+    worker = _pool._WORKERS.get((torch.device("cpu"), 1))
+    return worker is not None and not worker.tasks.empty()
