@@ -444,7 +444,9 @@ def shutdown() -> None:
     can be called unconditionally at the end of a program, or in a ``finally:`` block: an
     exception propagating through it is recorded for the other ranks (:func:`record_failure`),
     and a clean exit leaves a note, so that ranks still making pmapped calls with an axis name
-    fail at once, naming this rank, instead of waiting for it until the timeout.
+    fail at once, naming this rank, instead of waiting for it until the timeout. Inside an
+    ``except:`` block, the exception it handles counts as propagating (Python cannot tell the
+    two apart): after an expected exception, call it once the block has ended.
 
     Examples:
         >>> import fdp
@@ -460,8 +462,12 @@ def shutdown() -> None:
     # sys.excepthook, which would find fdp shut down and tell no one: the other ranks would
     # see only a lost connection. Record the exception here; a clean exit leaves a note instead,
     # so that ranks still making pmapped calls learn that this one has left, and after which.
+    # (Python cannot tell a finally block from an except block that handles the exception: in
+    # both, it is the one in flight. A generator closed early, or sys.exit(0), is a clean exit.)
     leaving = sys.exc_info()[1]
-    if leaving is not None and not (isinstance(leaving, SystemExit) and leaving.code in (None, 0)):
+    if leaving is not None and not (
+        isinstance(leaving, GeneratorExit) or (isinstance(leaving, SystemExit) and leaving.code in (None, 0))
+    ):
         record_failure(leaving)
     else:
         with contextlib.suppress(Exception):  # the store may be gone already

@@ -391,3 +391,27 @@ def test_a_rank_that_shut_down_is_named_by_the_ranks_still_calling(tmp_path: Pat
     assert "rank 1 called fdp.distributed.shutdown() after 1 pmapped call" in rank0["message"], rank0
     assert "pmapped call #2" in rank0["message"] and "is_main_process()" in rank0["message"], rank0
     assert rank0["seconds"] < 10, rank0  # not the 20 s timeout
+
+
+def test_shutdown_in_a_generator_closed_early_leaves_a_note_not_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A generator closed before its end (the consumer stopped iterating) runs its finally block
+    # with GeneratorExit in flight: a clean exit, which shutdown recorded as this rank's failure.
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    store = dist.HashStore()
+
+    def session():
+        fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=store)
+        try:
+            yield
+        finally:
+            fdp.distributed.shutdown()
+
+    steps = session()
+    next(steps)
+    steps.close()
+    assert not fdp.distributed.is_initialized()
+    assert not store.check(["fdp/failure/0/0"])
+    assert store.check(["fdp/left/0/0"])
