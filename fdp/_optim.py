@@ -278,7 +278,7 @@ def _refuse_unlike(
             why = "; a real parameter cannot take a complex update"
         else:
             continue
-        if hint is not None:
+        if hint is not None and not why.endswith(_PER_REPLICA_HINT):  # that one says more
             why = hint
         path = _tree.flatten_with_paths(tree, root)[0][i]
         param = _tree.flatten_with_paths(params, "params")[0][i]

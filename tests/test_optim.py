@@ -467,6 +467,10 @@ def test_per_replica_leaves_outside_the_pmapped_function_are_refused_with_a_hint
         opt.apply_gradients(placed["params"], placed["opt"], placed["params"])
     with pytest.raises(ValueError, match=rf"^fdp\.optim\.adam: update got grads\['w'\] {hint}"):
         optim.adam().update(placed["params"], placed["opt"][1], placed["params"])
+    # Only the state resident (the params and grads unwrapped): the hint still, not a word on
+    # init(params) for params of other shapes and dtypes, which these are not.
+    with pytest.raises(ValueError, match=rf"^fdp\.optim\.adam: update got state\.exp_avg\['w'\] {hint}"):
+        optim.adam().update(params, placed["opt"][1], params)
 
 
 @pytest.mark.parametrize(("params_shape", "updates_shape"), [((1,), (3,)), ((3,), (3, 1)), ((3,), ())])
