@@ -65,20 +65,15 @@ def interleaved(
         for _ in range(max(3, calls // 10)):
             fn()
     sync()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    gc.collect()
-    gc.freeze()
-    try:
-        for _ in range(rounds):
-            for name, fn in variants.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                sync()
-                samples[name].append((time.perf_counter() - start) / calls)
-    finally:
-        gc.unfreeze()
-    return {name: statistics.median(values) for name, values in samples.items()}
+
+    def per_call(fn: Callable[[], Any]) -> list[float]:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return [(time.perf_counter() - start) / calls]
+
+    return _medians(variants, rounds, per_call)
 
 
 def issue_times(
@@ -96,18 +91,34 @@ def issue_times(
     host-bound step (the two about equal) from a device-bound one, and what a variant's Python
     adds on the host. Rounds are interleaved as there; call the variants warm.
     """
+
+    def each_call(fn: Callable[[], Any]) -> list[float]:
+        times = []
+        for _ in range(calls):
+            sync()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
+
+    medians = _medians(variants, rounds, each_call)
+    sync()
+    return medians
+
+
+def _medians(
+    variants: dict[str, Callable[[], Any]], rounds: int, measure: Callable[[Callable[[], Any]], list[float]]
+) -> dict[str, float]:
+    """The median of the samples ``measure(fn)`` takes of each variant, over ``rounds`` rounds
+    that each measure every variant in turn, with the objects that exist frozen (see
+    :func:`interleaved`)."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     gc.collect()
     gc.freeze()
     try:
         for _ in range(rounds):
             for name, fn in variants.items():
-                for _ in range(calls):
-                    sync()
-                    start = time.perf_counter()
-                    fn()
-                    samples[name].append(time.perf_counter() - start)
-        sync()
+                samples[name] += measure(fn)
     finally:
         gc.unfreeze()
     return {name: statistics.median(values) for name, values in samples.items()}
