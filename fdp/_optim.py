@@ -606,8 +606,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         g, spec = _leaves(grads)
         if not g:
             return grads, state
-        _refuse_non_tensors("fdp.optim.clip_by_global_norm: update", "grads", grads, g)
-        norms = torch._foreach_norm(g, 2.0)
+        try:
+            norms = torch._foreach_norm(g, 2.0)
+        except (TypeError, RuntimeError):
+            # Named only on failure, as below: torch's error names neither the call nor the leaf.
+            _refuse_non_tensors("fdp.optim.clip_by_global_norm: update", "grads", grads, g)
+            raise
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         try:
