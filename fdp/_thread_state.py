@@ -167,18 +167,22 @@ class applied:
             torch._C._set_grad_enabled(self._grad)
 
 
+# The rare switches that are plain booleans, as (read, write): in Rare's and Fresh's order.
+_SWITCHES: tuple[tuple[Callable[[], bool], Callable[[bool], None]], ...] = (
+    (torch._C._is_fwd_grad_enabled, torch._C._set_fwd_grad_enabled),
+    (torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled),
+    (torch._C._is_view_replay_enabled, torch._C._set_view_replay_enabled),
+)
+
+
 def _enter_rare(rare: Rare, stack: contextlib.ExitStack) -> None:
     """Sets the rare switches in this thread, each restored by ``stack``."""
     C = torch._C  # noqa: N806
-    if C._is_fwd_grad_enabled() != rare.fwd_grad_enabled:
-        C._set_fwd_grad_enabled(rare.fwd_grad_enabled)
-        stack.callback(C._set_fwd_grad_enabled, not rare.fwd_grad_enabled)
-    if C._is_multithreading_enabled() != rare.multithreading_enabled:
-        C._set_multithreading_enabled(rare.multithreading_enabled)
-        stack.callback(C._set_multithreading_enabled, not rare.multithreading_enabled)
-    if C._is_view_replay_enabled() != rare.view_replay_enabled:
-        C._set_view_replay_enabled(rare.view_replay_enabled)
-        stack.callback(C._set_view_replay_enabled, not rare.view_replay_enabled)
+    wanted = (rare.fwd_grad_enabled, rare.multithreading_enabled, rare.view_replay_enabled)
+    for (read, write), value in zip(_SWITCHES, wanted):
+        if read() != value:
+            write(value)
+            stack.callback(write, not value)
     message = rare.saved_tensors_hooks_disabled
     if message is not None:  # after the hooks are pushed, as in the caller
         autograd = C._autograd
@@ -225,6 +229,7 @@ class Fresh(NamedTuple):
     """A fresh thread's state (taken by each worker when it starts), to go back to."""
 
     leftovers: tuple[object, ...]
+    switches: tuple[bool, ...]  # the values of _SWITCHES
     autocast_dtypes: tuple[tuple[str, torch.dtype], ...]
     autocast_cache: bool
 
@@ -233,6 +238,7 @@ def fresh() -> Fresh:
     """The calling thread's state, taken before it runs anything."""
     return Fresh(
         leftovers(),
+        tuple(read() for read, _ in _SWITCHES),
         tuple((t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES),
         torch.is_autocast_cache_enabled(),
     )
@@ -244,11 +250,9 @@ def restore(fresh: Fresh) -> bool:
     guards still held cannot be taken back from outside: the worker is then replaced."""
     C = torch._C  # noqa: N806
     autograd = C._autograd
-    grad, _, _, fwd_grad, multithreading, view_replay, *_ = fresh.leftovers
-    C._set_grad_enabled(bool(grad))
-    C._set_fwd_grad_enabled(bool(fwd_grad))
-    C._set_multithreading_enabled(bool(multithreading))
-    C._set_view_replay_enabled(bool(view_replay))
+    C._set_grad_enabled(bool(fresh.leftovers[0]))  # leftovers() begins with grad mode
+    for (_, write), value in zip(_SWITCHES, fresh.switches):
+        write(value)
     for device_type, dtype in fresh.autocast_dtypes:
         torch.set_autocast_enabled(device_type, False)
         torch.set_autocast_dtype(device_type, dtype)
