@@ -318,6 +318,33 @@ def test_state_a_replica_leaves_set_does_not_reach_later_calls(leave: str) -> No
     assert seen == [worker_view()] * 3
 
 
+@pytest.mark.parametrize("leave", [name for name in LEFT_SET if name != "set_default_device"])
+def test_a_worker_whose_replica_left_state_set_is_cleaned_not_replaced(
+    leave: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """State that can be taken back is taken back in the worker's own thread: the next call's
+    replicas run on the same workers (a worker is replaced only for a mode it cannot undo)."""
+    from fdp import _pool
+
+    monkeypatch.setattr(_pool, "INLINE_REPLICAS", False)  # replicas 1 and 2 on workers
+    used: list[set[threading.Thread]] = [set(), set()]
+    lock = threading.Lock()
+
+    def run(call: int, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name.startswith("fdp-worker"):
+            with lock:
+                used[call].add(threading.current_thread())
+            if call == 0:
+                LEFT_SET[leave]()
+        return x
+
+    fdp.pmap(lambda x: run(0, x), devices=cpus(3))(torch.ones(3, 2))
+    wait_for_idle_workers()
+    fdp.pmap(lambda x: run(1, x), devices=cpus(3))(torch.ones(3, 2))
+    assert len(used[0]) == 2
+    assert used[1] == used[0]
+
+
 def test_an_autocast_a_replica_never_left_does_not_keep_stale_casts() -> None:
     """An autocast entered and never left keeps its nesting level in the worker's thread, so
     the worker never cleared its cache of casts again: a later call under autocast used the
