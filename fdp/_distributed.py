@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -546,11 +546,21 @@ def _record(state: _State, error: BaseException, call: int) -> None:
         state.store.set(_failure_key(state, state.rank), f"{call}\n{message}")
 
 
-def _records(state: _State) -> list[tuple[int, str, int, str]]:
-    """What the other ranks left in the store for this attempt: ``(rank, "failure", call,
-    message)`` for a recorded failure, ``(rank, "left", calls, "")`` for a rank that called
-    :func:`shutdown` after ``calls`` pmapped calls. (Nothing, once the store is gone.)"""
-    found: list[tuple[int, str, int, str]] = []
+class _Record(NamedTuple):
+    """What another rank left in the store: a recorded failure of its pmapped call ``call``
+    (``kind`` ``"failure"``, with its ``message``), or its :func:`shutdown` after ``call``
+    pmapped calls (``kind`` ``"left"``, no message)."""
+
+    rank: int
+    kind: str
+    call: int
+    message: str
+
+
+def _records(state: _State) -> list[_Record]:
+    """What the other ranks left in the store for this attempt. (Nothing, once the store is
+    gone.)"""
+    found: list[_Record] = []
     for other in range(state.world_size):
         if other == state.rank:
             continue
@@ -558,29 +568,30 @@ def _records(state: _State) -> list[tuple[int, str, int, str]]:
             failure, left = _failure_key(state, other), _left_key(state, other)
             if state.store.check([failure]):
                 call, _, message = state.store.get(failure).decode().partition("\n")
-                found.append((other, "failure", int(call), message))
+                found.append(_Record(other, "failure", int(call), message))
             if state.store.check([left]):
-                found.append((other, "left", int(state.store.get(left).decode()), ""))
+                found.append(_Record(other, "left", int(state.store.get(left).decode()), ""))
         except Exception:  # noqa: BLE001 - a store that is gone tells nothing
             return found
     return found
 
 
-def _failed_rank(state: _State) -> tuple[int, str, int, str] | None:
+def _failed_rank(state: _State) -> _Record | None:
     """A rank that recorded a failure of the current call (or a later one), or that left
-    (:func:`shutdown`) before the current call: its record (see :func:`_records`)."""
+    (:func:`shutdown`) before the current call: its record."""
     for record in _records(state):
-        _, kind, call, _ = record
-        if (kind == "failure" and call >= state.calls) or (kind == "left" and call < state.calls):
+        if record.kind == "failure" and record.call >= state.calls:
+            return record
+        if record.kind == "left" and record.call < state.calls:
             return record
     return None
 
 
-def _news(state: _State, record: tuple[int, str, int, str], what: str) -> str:
+def _news(state: _State, record: _Record, what: str) -> str:
     """What a record says, after ``"rank N "``, to a rank waiting in ``what``."""
-    _, kind, call, message = record
-    if kind == "failure":
-        return f"failed during {what}: {message}"
+    if record.kind == "failure":
+        return f"failed during {what}: {record.message}"
+    call = record.call
     return (
         f"called fdp.distributed.shutdown() after {call} pmapped call{'s' if call != 1 else ''} "
         f"with an axis name, while this rank waits for it in {what} of pmapped call "
@@ -596,17 +607,16 @@ def _last_words(state: _State, what: str, ranks: Sequence[int] | None = None) ->
     or its shutdown. Empty when they left nothing."""
     said = []
     for record in _records(state):
-        other, kind, call, message = record
-        if ranks is not None and other not in ranks:
+        if ranks is not None and record.rank not in ranks:
             continue
-        if kind == "failure" and call < state.calls:
+        if record.kind == "failure" and record.call < state.calls:
             said.append(
-                f"Rank {other} had failed in pmapped call #{call}, which this rank finished (a "
-                "call that fails on some ranks only leaves the ranks out of step; this rank is "
-                f"in pmapped call #{state.calls}): {message}"
+                f"Rank {record.rank} had failed in pmapped call #{record.call}, which this rank "
+                "finished (a call that fails on some ranks only leaves the ranks out of step; "
+                f"this rank is in pmapped call #{state.calls}): {record.message}"
             )
         else:
-            said.append(f"Rank {other} {_news(state, record, what)}")
+            said.append(f"Rank {record.rank} {_news(state, record, what)}")
     return "".join(f" {text}" if text.endswith(".") else f" {text}." for text in said)
 
 
@@ -667,10 +677,8 @@ def _timed_out(state: _State, what: str) -> str:
     )
 
 
-def _raise_rank_failed(
-    state: _State, what: str, failed: tuple[int, str, int, str], error: BaseException
-) -> None:
-    raise RankFailed(f"fdp.distributed: rank {failed[0]} {_news(state, failed, what)}") from error
+def _raise_rank_failed(state: _State, what: str, failed: _Record, error: BaseException) -> None:
+    raise RankFailed(f"fdp.distributed: rank {failed.rank} {_news(state, failed, what)}") from error
 
 
 def _raise_if_rank_failed(state: _State, what: str, error: BaseException) -> None:
