@@ -135,7 +135,7 @@ def gather_outputs(
     for k, (values, axis) in enumerate(zip(columns, plan.axes)):
         if axis is _state.PER_REPLICA:
             if taken is None:
-                taken = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
+                taken = _input_storages(inputs)
             own = _own_copies(values, taken)
             joined.append(_state.PerReplica(own, devices or [_device_of(v, destination) for v in own]))
         else:
@@ -271,15 +271,21 @@ def _lone_per_replica(
 
     A resident training step returns every parameter and optimizer state, and right after the
     step's kernels each call per leaf runs cold (see docs/benchmarks.md, "One replica, after
-    real work"): the leaves are wrapped in one loop (``PerReplica._each``), and the inputs'
-    ``PerReplica`` leaves, which hold no memory of the call's, are passed over at once.
+    real work"): the leaves are wrapped in one loop (``PerReplica._each``).
     """
+    return _state.PerReplica._each(_own_copies(leaves, _input_storages(inputs)), tuple(devices))
+
+
+def _input_storages(inputs: Sequence[Any]) -> set[int]:
+    """The memory of the call's tensor inputs, which per-replica outputs must not share (see
+    :func:`_own_copies`). Resident (``PerReplica``) inputs, usually most of them, are passed
+    over with one type test each."""
     per_replica = _state.PerReplica
     taken = set()
     for t in inputs:
         if type(t) is not per_replica and isinstance(t, torch.Tensor):
             taken.add(_storage(t))
-    return per_replica._each(_own_copies(leaves, taken), tuple(devices))
+    return taken
 
 
 def _device_of(value: Any, default: torch.device) -> torch.device:
