@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import hashlib
 import importlib
+import json
 import os
 import queue
 import re
@@ -58,6 +59,17 @@ _POLL = datetime.timedelta(seconds=0.5)
 # The descriptor that every process-level collective is checked with (see _agree): 8 bytes of
 # payload (a replica count), then the description's text.
 _CHECK_BYTES = 256
+
+
+class Layout(NamedTuple):
+    """What a collective of a tree packed into the tensor that the processes combine, for them to
+    compare: ``signature``, a digest of the tree's structure and of every leaf's dtype and shape
+    (equal in processes that passed trees alike: the packed tensors alone may agree in size where
+    the trees do not), and ``describe()``, the same spelled out for a message: the structure, and
+    every leaf's key path and ``dtype[shape]``."""
+
+    signature: str
+    describe: Callable[[], tuple[str, list[tuple[str, str]]]]
 
 
 class RankFailed(RuntimeError):
@@ -769,15 +781,19 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
-def _disagreement(rows: list[bytes]) -> str:
-    """The message for processes whose entries differ: what each group of ranks called."""
+def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
+    """The message for processes whose entries differ: what each group of ranks called.
+    ``layouts()`` gives every process's layout spelled out (a collective: called on every rank
+    or none, as the rows, which every rank has, decide)."""
     groups: dict[bytes, list[int]] = {}
     for r, row in enumerate(rows):
         groups.setdefault(row[8:], []).append(r)
-    entries = [(_decode(entry) + ["?"] * 5)[:5] for entry in groups]
+    entries = [(_decode(entry) + ["?"] * 6)[:6] for entry in groups]
     ranks = list(groups.values())
-    if len({(kind, name, detail, call) for kind, name, detail, _, call in entries}) == 1:
-        _, name, detail, _, call = entries[0]
+    if len({(kind, name, detail, call) for kind, _, name, detail, _, call in entries}) == 1:
+        _, _, name, detail, _, call = entries[0]
+        if len({signature for _, signature, *_ in entries}) > 1:
+            return _layout_disagreement(name, detail, call, layouts())
         passed = ", ".join(f"{tensor} on {_ranks(rs)}" for (*_, tensor, _), rs in zip(entries, ranks))
         return (
             f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
@@ -791,7 +807,7 @@ def _disagreement(rows: list[bytes]) -> str:
         )
 
     def called(entry: list[str]) -> str:
-        kind, name, detail, tensor, call = entry
+        kind, _, name, detail, tensor, call = entry
         if kind == "call":
             return f"started pmapped call #{call}"
         return f"called {name} ({detail} of {tensor}; pmapped call #{call})"
@@ -805,14 +821,66 @@ def _disagreement(rows: list[bytes]) -> str:
     )
 
 
+def _layout_disagreement(name: str, detail: str, call: str, layouts: list[Any]) -> str:
+    """The message for processes that passed one collective trees of different structures,
+    shapes or dtypes (``layouts``: what :meth:`Layout.describe` gave on each rank)."""
+    where = f"{name} ({detail}, pmapped call #{call})"
+    groups: dict[str, list[int]] = {}
+    for r, layout in enumerate(layouts):
+        groups.setdefault(json.dumps(layout), []).append(r)
+    spelled = [json.loads(text) for text in groups]
+    ranks = list(groups.values())
+    if (
+        None in spelled
+        or len({(structure, tuple(p for p, _ in leaves)) for structure, leaves in spelled}) > 1
+    ):
+        passed = "; ".join(
+            f"{_ranks(rs)} {'passed no tree' if layout is None else 'passed ' + layout[0]}"
+            for layout, rs in zip(spelled, ranks)
+        )
+        return (
+            f"fdp.distributed: the processes passed trees of different structure to {where}: "
+            f"{passed}. Every process must pass the same structure, shapes and dtypes."
+        )
+    paths = [p for p, _ in spelled[0][1]]
+    k = next(k for k in range(len(paths)) if len({leaves[k][1] for _, leaves in spelled}) > 1)
+    values = [leaves[k][1] for _, leaves in spelled]
+    passed = ", ".join(f"{value} on {_ranks(rs)}" for value, rs in zip(values, ranks))
+    return (
+        f"fdp.distributed: the processes passed different shapes or dtypes to {name} at "
+        f"{paths[k]} ({detail}, pmapped call #{call}): {passed}. Every process must pass the same "
+        "structure, shapes and dtypes. "
+        + (
+            _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
+            if len({value.partition("[")[2] for value in values}) > 1
+            else "Cast to one dtype before the call."
+        )
+    )
+
+
 def _travels(data: torch.Tensor, world: int) -> bool:
     """Whether ``data`` rides along in the exchange that checks its collective (a small CPU
     tensor), and is combined from there rather than by a collective of its own."""
     return data.device.type == "cpu" and data.numel() * data.element_size() <= _slot_bytes(world)
 
 
+def _all_gather(state: _State, parts: list[torch.Tensor], mine: torch.Tensor, what: str) -> None:
+    """``dist.all_gather(parts, mine)``, waited for as :func:`_wait` does."""
+    try:
+        handle = dist.all_gather(parts, mine, async_op=True)
+    except RuntimeError as error:
+        _raise_failure(state, what, error)
+        raise
+    _wait(state, handle, what, mine.device)
+
+
 def _agree(
-    state: _State, entry: str, payload: int | None, what: str, data: torch.Tensor | None
+    state: _State,
+    entry: str,
+    payload: int | None,
+    what: str,
+    data: torch.Tensor | None,
+    layout: Layout | None = None,
 ) -> tuple[list[int], list[torch.Tensor] | None]:
     """Every process's ``payload`` (if given) once every process is found at the same
     collective (one all_gather of ``entry``), and every process's ``data`` (in rank order) when it
@@ -822,21 +890,33 @@ def _agree(
     carried = data is not None and _travels(data, state.world_size)
     mine = _encode(entry, payload or 0, data if carried else None, slot)
     parts = [torch.empty_like(mine) for _ in range(state.world_size)]
-    try:
-        handle = dist.all_gather(parts, mine, async_op=True)
-    except RuntimeError as error:
-        _raise_failure(state, what, error)
-        raise
-    _wait(state, handle, what, mine.device)
+    _all_gather(state, parts, mine, what)
     own = mine[8:_CHECK_BYTES]
     if not all(torch.equal(p[8:_CHECK_BYTES], own) for p in parts):
-        raise ValueError(_disagreement([p[:_CHECK_BYTES].numpy().tobytes() for p in parts]))
+        rows = [p[:_CHECK_BYTES].numpy().tobytes() for p in parts]
+        # Every rank has every row, so every rank alike decides whether to spell out the layouts.
+        raise ValueError(_disagreement(rows, lambda: _spelled_out(state, layout, what)))
     payloads = [] if payload is None else [int(p[:8].view(torch.int64)) for p in parts]
     if not carried:  # (on no rank: the entries, which hold the shapes and dtypes, agree)
         return payloads, None
     assert data is not None
     size = data.numel() * data.element_size()
     return payloads, [p[_CHECK_BYTES : _CHECK_BYTES + size].view(data.dtype).view(data.shape) for p in parts]
+
+
+def _spelled_out(state: _State, layout: Layout | None, what: str) -> list[Any]:
+    """Every process's ``layout.describe()`` (``None`` for a process without a layout), in rank
+    order: two all_gathers, the texts' lengths and then the texts. Only for a message, after the
+    entries showed that the layouts differ."""
+    text = json.dumps(None if layout is None else layout.describe()).encode()
+    size = torch.tensor([len(text)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(state.world_size)]
+    _all_gather(state, sizes, size, what)
+    mine = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
+    mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in range(state.world_size)]
+    _all_gather(state, parts, mine, what)
+    return [json.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 
 def _collective(
@@ -847,19 +927,23 @@ def _collective(
     payload: int | None = None,
     *,
     kind: str = "collective",
+    layout: Layout | None = None,
 ) -> tuple[list[int], list[torch.Tensor] | None]:
-    """Checks that every process is at this collective (:func:`_agree`), then, unless
+    """Checks that every process is at this collective (:func:`_agree`), with ``layout``'s
+    signature if given (the tree that ``tensor`` packs), then, unless
     ``tensor`` travelled along, issues ``issues`` (async process-group calls on ``tensor``'s
     device) on the communicator, all before any is waited for, and waits for them. Returns every
     process's ``payload``, and every process's ``tensor`` if it travelled along."""
     state = _live_state()
     described = "" if tensor is None else _describe_tensor(tensor)
-    entry = "\x1f".join((kind, name, detail, described, str(state.calls)))
+    # The signature second: an entry too long for the exchange is cut at its end.
+    signature = "" if layout is None else layout.signature
+    entry = "\x1f".join((kind, signature, name, detail, described, str(state.calls)))
     what = f"{name} ({detail})"
     device = torch.device("cpu") if tensor is None else tensor.device
 
     def work() -> tuple[list[int], list[torch.Tensor] | None]:
-        payloads, carried = _agree(state, entry, payload, what, tensor if issues else None)
+        payloads, carried = _agree(state, entry, payload, what, tensor if issues else None, layout)
         if carried is not None:
             return payloads, carried
         handles = []
@@ -881,21 +965,29 @@ def _collective(
 
 
 def all_reduce(
-    tensor: torch.Tensor, op: str = "sum", name: str = "a collective", ties: torch.Tensor | None = None
+    tensor: torch.Tensor,
+    op: str = "sum",
+    name: str = "a collective",
+    ties: torch.Tensor | None = None,
+    layout: Layout | None = None,
 ) -> torch.Tensor:
     """The elementwise sum/max/min of ``tensor`` over the processes, differentiably.
 
     ``name``: the collective, for messages. ``ties`` (max/min): how many of this process's
     replicas hold the local extreme value, elementwise; the gradient goes to every replica of
-    every process that holds the global one, in equal parts.
+    every process that holds the global one, in equal parts. ``layout``: the tree that
+    ``tensor`` packs, which every process must have passed alike.
     """
-    result: torch.Tensor = _AllReduce.apply(tensor, op, name, ties)
+    result: torch.Tensor = _AllReduce.apply(tensor, op, name, ties, layout)
     return result
 
 
-def all_gather(tensor: torch.Tensor, name: str = "a collective") -> torch.Tensor:
-    """Every process's ``tensor`` stacked along a new dim 0 (rank order), differentiably."""
-    result: torch.Tensor = _AllGather.apply(tensor, name)
+def all_gather(
+    tensor: torch.Tensor, name: str = "a collective", layout: Layout | None = None
+) -> torch.Tensor:
+    """Every process's ``tensor`` stacked along a new dim 0 (rank order), differentiably
+    (``layout``: as for :func:`all_reduce`)."""
+    result: torch.Tensor = _AllGather.apply(tensor, name, layout)
     return result
 
 
@@ -916,7 +1008,7 @@ def _buckets(flat: torch.Tensor) -> list[torch.Tensor]:
     return pieces
 
 
-def _reduce(tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+def _reduce(tensor: torch.Tensor, op: str, name: str, layout: Layout | None = None) -> torch.Tensor:
     """The all-reduce of ``tensor``, done as DDP does it: buckets of at most 25 MiB (1 MiB first),
     one all_reduce each, all launched before any is waited for. (A small CPU tensor travels in
     the exchange that checks the collective, and is reduced here.)"""
@@ -936,7 +1028,9 @@ def _reduce(tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
         and not _travels(result, world_size())
         and bool(result.isnan().any())
     )
-    flags, carried = _collective(name, f"an all_reduce ({op})", result, issues, payload=int(nan))
+    flags, carried = _collective(
+        name, f"an all_reduce ({op})", result, issues, payload=int(nan), layout=layout
+    )
     if carried is None and any(flags):
         mask = _reduce(tensor.detach().isnan().to(torch.uint8), "max", name)  # (no NaN in a mask)
         result.masked_fill_(mask.bool(), float("nan"))
@@ -953,11 +1047,11 @@ def _reduce(tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
     return result
 
 
-def _gather(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def _gather(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> torch.Tensor:
     source = tensor.detach().contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size())]
     _, carried = _collective(
-        name, "an all_gather", source, [lambda: dist.all_gather(parts, source, async_op=True)]
+        name, "an all_gather", source, [lambda: dist.all_gather(parts, source, async_op=True)], layout=layout
     )
     return torch.stack(parts if carried is None else carried)
 
@@ -965,9 +1059,9 @@ def _gather(tensor: torch.Tensor, name: str) -> torch.Tensor:
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, tensor: torch.Tensor, op: str, name: str, ties: torch.Tensor | None
+        ctx: Any, tensor: torch.Tensor, op: str, name: str, ties: torch.Tensor | None, layout: Layout | None
     ) -> torch.Tensor:
-        result = _reduce(tensor, op, name)
+        result = _reduce(tensor, op, name, layout)
         ctx.op, ctx.name = op, name
         if op != "sum":
             # Where this process holds the extreme value, weighted by how many of its replicas
@@ -977,27 +1071,28 @@ class _AllReduce(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        # (The forward checked the layout: the cotangents are laid out alike.)
         name = f"the backward of {ctx.name}"
         if ctx.op == "sum":
             # Every process's cotangent, for every process's input.
-            return all_reduce(grad, "sum", name), None, None, None
+            return all_reduce(grad, "sum", name), None, None, None, None
         (mask,) = ctx.saved_tensors
         # The cotangents and the tied replicas' counts, summed in one collective: each tied
         # replica of every process gets an equal part of the total.
         both = all_reduce(torch.stack([grad, mask.to(grad.dtype)]), "sum", name)
-        return both[0] * mask / both[1], None, None, None
+        return both[0] * mask / both[1], None, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, layout: Layout | None) -> torch.Tensor:  # type: ignore[override]
         ctx.name = name
-        return _gather(tensor, name)
+        return _gather(tensor, name, layout)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return all_reduce(grad, "sum", f"the backward of {ctx.name}")[rank()], None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return all_reduce(grad, "sum", f"the backward of {ctx.name}")[rank()], None, None
 
 
 def replica_counts(local: int) -> list[int]:

@@ -319,6 +319,15 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         "shape": lambda x: fdp.psum(torch.ones(3 + r), "i"),
         "dtype": lambda x: fdp.psum(torch.ones(2, dtype=(torch.float32, torch.float64)[r]), "i"),
         "large": lambda x: fdp.psum(torch.ones(5000 + r), "i"),  # past what travels with the check
+        # Trees whose packed buffers agree in size: only their layouts tell them apart.
+        "transposed": lambda x: fdp.psum(torch.ones(2 + r, 3 - r), "i"),
+        "swapped": lambda x: fdp.psum({"a": torch.ones(2 + r), "b": torch.ones(3 - r)}, "i"),
+        "keys": lambda x: fdp.psum({("a", "b")[r]: torch.ones(4)}, "i"),
+        "gathered": lambda x: fdp.all_gather(torch.ones(2 + r, 3 - r), "i"),
+        # One process packs two buffers (float32, float64), the other one.
+        "dtypes": lambda x: fdp.pmean({"a": x, "b": x.to((torch.float64, torch.float32)[r])}, "i"),
+        # Alike, in another insertion order: not a mismatch (optree sorts dict keys).
+        "order": lambda x: fdp.psum(dict([("a", x), ("b", x * 10)][:: 1 - 2 * r]), "i")["b"],
         "skipped": lambda x: fdp.psum(x, "i") if r == 0 else x,
     }
     result = {}

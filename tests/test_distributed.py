@@ -206,9 +206,35 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
     results, codes = spawn(distributed_workers.mismatched_collectives, tmp_path)
     assert codes == [0, 0], results
     for r in results:
-        for case in ("op", "mean", "shape", "dtype", "large", "skipped"):
+        for case in (
+            "op",
+            "mean",
+            "shape",
+            "dtype",
+            "large",
+            "skipped",
+            "transposed",
+            "swapped",
+            "keys",
+            "gathered",
+            "dtypes",
+        ):
             assert r[case].get("error") == "ValueError", (case, r[case])
             assert r[case]["seconds"] < 10, (case, r[case])
+        # Layouts that differ where the packed buffers agree in size name the leaf or the structure.
+        assert "to fdp.psum at x (an all_reduce (sum), pmapped call #" in r["transposed"]["message"], r
+        assert "float32[2,3] on rank 0, float32[3,2] on rank 1" in r["transposed"]["message"], r
+        assert "at x['a']" in r["swapped"]["message"], r["swapped"]
+        assert "float32[2] on rank 0, float32[3] on rank 1" in r["swapped"]["message"], r["swapped"]
+        assert "trees of different structure to fdp.psum" in r["keys"]["message"], r["keys"]
+        assert (
+            "rank 0 passed PyTreeSpec({'a': *}); rank 1 passed PyTreeSpec({'b': *})" in r["keys"]["message"]
+        )
+        assert "to fdp.all_gather at x" in r["gathered"]["message"], r["gathered"]
+        assert "at x['b']" in r["dtypes"]["message"], r["dtypes"]
+        assert "float64[1] on rank 0, float32[1] on rank 1" in r["dtypes"]["message"], r["dtypes"]
+        assert "Cast to one dtype" in r["dtypes"]["message"], r["dtypes"]
+        assert r["order"] == {"returned": [330.0, 330.0], "seconds": r["order"]["seconds"]}, r["order"]
     for r in results:
         assert "rank 0 called fdp.psum" in r["op"]["message"], r["op"]
         assert "rank 1 called fdp.pmax" in r["op"]["message"], r["op"]
