@@ -26,8 +26,6 @@ Differentiation, two ways:
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
 import operator
 import sys
@@ -130,11 +128,6 @@ _flatten_dense = torch._C._nn.flatten_dense_tensors
 _unflatten_dense = torch._C._nn.unflatten_dense_tensors
 
 
-# The signatures of the layouts that trees packed across processes had: spelling a tree's
-# layout out costs ~1 ms for 100 leaves, finding it here ~10 µs.
-_SIGNATURES: dict[tuple[Any, tuple[tuple[torch.dtype, tuple[int, ...]], ...]], str] = {}
-
-
 class _Packed:
     """A tree's tensor leaves as one flat buffer per (device, dtype).
 
@@ -222,26 +215,7 @@ class _Packed:
 
     def across_processes(self) -> _distributed.Layout:
         """This layout as the processes compare it (see :class:`_distributed.Layout`)."""
-        key = (self.treespec, self.metadata())
-        try:
-            signature = _SIGNATURES.get(key)
-        except TypeError:  # a custom node whose metadata cannot be hashed: computed each time
-            signature = None
-        if signature is None:
-            # From the leaves' accessors (their path entries, with each node's type), which are
-            # the same in every process for the same tree; the treespec's text may show a
-            # custom node's metadata, an object's address.
-            spelled = repr((self.treespec.accessors(), key[1])).encode()
-            signature = hashlib.blake2b(spelled, digest_size=8).hexdigest()
-            if len(_SIGNATURES) >= 256:
-                _SIGNATURES.clear()
-            with contextlib.suppress(TypeError):
-                _SIGNATURES[key] = signature
-        return _distributed.Layout(signature, self._spelled_out)
-
-    def _spelled_out(self) -> tuple[str, list[tuple[str, str]]]:
-        paths = _tree.flatten_with_paths(self.tree, "x")[0]
-        return str(self.treespec), [(path, _tree.describe(leaf)) for path, leaf in zip(paths, self.leaves)]
+        return _distributed.layout_of(self.tree, self.treespec, self.leaves)
 
     def private_buffers(self) -> list[torch.Tensor]:
         """The buffers, none sharing memory with a leaf: for replicas that read each other's

@@ -12,6 +12,7 @@ See ``docs/distributed.md``.
 
 from ._distributed import (
     RankFailed,
+    broadcast,
     initialize,
     is_initialized,
     is_main_process,
@@ -25,6 +26,7 @@ from ._distributed import (
 
 __all__ = [
     "RankFailed",
+    "broadcast",
     "initialize",
     "is_initialized",
     "is_main_process",

@@ -348,6 +348,58 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         fdp.distributed.shutdown()
 
 
+def broadcast_state(rank: int, world: int, folder: str) -> None:
+    """Every rank builds its state from a seed of its own; fdp.distributed.broadcast gives every
+    rank one rank's (a float32 buffer past what travels with the check, and small bfloat16,
+    int64 and bool ones that travel in it); then trees that differ, and bad arguments."""
+    start(rank, world, folder)
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    state = {
+        "params": dict(model.named_parameters()),
+        "buffers": dict(model.named_buffers()),  # num_batches_tracked: int64
+        "big": torch.randn(3000),
+        "half": torch.randn(5).bfloat16(),
+        "flag": torch.tensor(rank == 0),
+        "step": rank,  # not a tensor: each rank keeps its own
+    }
+
+    def values(tree: object) -> dict:
+        paths, leaves, _ = fdp._tree.flatten_with_paths(tree, "state")
+        return {
+            path: [str(leaf.dtype), leaf.float().tolist(), leaf.requires_grad]
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for path, leaf in zip(paths, leaves)
+        }
+
+    result: dict = {"own": values(state)}
+    try:
+        for src in (0, 1):
+            out = fdp.distributed.broadcast(state, src=src)
+            mine = [
+                id(t.untyped_storage()) for t in fdp._tree.flatten(state)[0] if isinstance(t, torch.Tensor)
+            ]
+            shared = any(
+                id(t.untyped_storage()) in mine or t.data_ptr() == s.data_ptr()
+                for t, s in zip(fdp._tree.flatten(out)[0], fdp._tree.flatten(state)[0])
+                if isinstance(t, torch.Tensor)
+            )
+            result[f"from{src}"] = values(out) | {"shared": shared}
+        result["transposed"] = timed_outcome(
+            lambda: fdp.distributed.broadcast({"w": torch.ones(2 + rank, 3 - rank)})
+        )
+        result["keys"] = timed_outcome(lambda: fdp.distributed.broadcast({("a", "b")[rank]: torch.ones(4)}))
+        result["src"] = timed_outcome(lambda: fdp.distributed.broadcast(state, src=2))
+        placed = fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu", "cpu"])
+        result["placed"] = timed_outcome(lambda: fdp.distributed.broadcast(placed))
+        # The group still works after the refusals.
+        result["after"] = fdp.distributed.broadcast(torch.tensor([float(rank)]), src=1).tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def existing_group(rank: int, world: int, folder: str) -> None:
     """A process group made with env:// before fdp.distributed.initialize (mp.spawn, srun, ...)."""
     import torch.distributed.nn.functional  # noqa: F401 - before the group (docs/distributed.md)

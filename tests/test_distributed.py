@@ -251,6 +251,46 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
     assert "rank 0 called fdp.psum" in skipped and "rank 1 started pmapped call" in skipped, skipped
 
 
+def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> None:
+    # DDP's parameter sync at construction (jax's broadcast_one_to_all), for state built apart.
+    results, codes = spawn(distributed_workers.broadcast_state, tmp_path)
+    assert codes == [0, 0], results
+    own = [r["own"] for r in results]
+    assert own[0]["state['params']['0.weight']"] != own[1]["state['params']['0.weight']"]
+    for r in results:
+        for src in (0, 1):
+            got = dict(r[f"from{src}"])
+            assert got.pop("shared") is False, "a result shares memory with the given state"
+            # Bit for bit (float() of bfloat16/int64/bool is exact), the dtypes and requires_grad kept.
+            expected = {path: value for path, value in own[src].items() if path != "state['step']"}
+            assert {path: value for path, value in got.items() if path != "state['step']"} == expected
+            assert got["state['step']"] == r["own"]["state['step']"]  # each rank's own
+        assert r["from0"]["state['params']['0.weight']"][2] is True
+        assert r["from0"]["state['half']"][0] == "torch.bfloat16"
+        assert r["from0"]["state['buffers']['1.num_batches_tracked']"][0] == "torch.int64"
+        assert r["transposed"]["error"] == "ValueError", r["transposed"]
+        assert (
+            "to fdp.distributed.broadcast at tree['w'] (a broadcast from rank 0" in r["transposed"]["message"]
+        )
+        assert "float32[2,3] on rank 0, float32[3,2] on rank 1" in r["transposed"]["message"]
+        assert r["keys"]["error"] == "ValueError" and "trees of different structure" in r["keys"]["message"]
+        assert r["src"]["error"] == "ValueError", r["src"]
+        assert "src must be a rank, an int from 0 to 1, got 2" in r["src"]["message"]
+        assert r["placed"]["error"] == "TypeError", r["placed"]
+        assert "tree['w'] is a PerReplica" in r["placed"]["message"]
+        assert all(r[case]["seconds"] < 10 for case in ("transposed", "keys", "src", "placed")), r
+        assert r["after"] == [1.0]
+
+
+def test_broadcast_without_initialize_returns_the_tree() -> None:
+    tree = {"w": torch.ones(2), "step": 3}
+    assert fdp.distributed.broadcast(tree) is tree
+    with pytest.raises(
+        ValueError, match=r"fdp.distributed.broadcast: src must be a rank, an int from 0 to 0, got 1"
+    ):
+        fdp.distributed.broadcast(tree, src=1)
+
+
 def free_port() -> int:
     import socket
 
