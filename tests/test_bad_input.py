@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -17,6 +18,66 @@ import fdp
 
 def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:
     return fdp.pmap(fn, devices=options.pop("devices", cpus(2)), **options)
+
+
+class Twice:
+    """A container registered with optree in two namespaces, neither of them fdp's."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+for _namespace in ("lib-a", "lib-b"):
+    optree.register_pytree_node(
+        Twice, lambda t: ((t.x,), None), lambda _, children: Twice(*children), namespace=_namespace
+    )
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+def checkpointed_and_parametrized() -> nn.Module:
+    """Checkpointing inside forward, on a parametrized layer: fdp.functional_call leaves the
+    swap to torch.func.functional_call, whose skeleton is released before the recomputation."""
+    from torch.nn.utils import parametrize
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+
+    net = Checkpointed()
+    parametrize.register_parametrization(net.a, "weight", Symmetric())
+    return net
+
+
+def released_copy_in_backward(x: torch.Tensor) -> None:
+    net = checkpointed_and_parametrized()
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    fdp.functional_call(net, params, (x,)).sum().backward()
+
+
+def grad_through_psum(x: torch.Tensor) -> torch.Tensor:
+    total = fdp.psum(x, "i")
+    torch.autograd.grad(total.sum(), x)
+    return x
+
+
+class BumpsInPlace(nn.Module):
+    """Changes a buffer in place in forward, in any mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("high", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.high.add_(1)
+        return x
 
 
 # (id, inputs, call(inputs), exception type, message pattern)
@@ -269,7 +330,164 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"args\[0\]\['w'\] holds 8 values, one per replica .* runs 5 replicas .*split='chunk'"
         r".*Use split='balanced' .* at least one row per device",
     ),
+    (
+        "in_axes longer than the arguments",  # the arguments it describes, passed by keyword
+        lambda: (torch.zeros(4), torch.zeros(4)),
+        lambda a: pm(lambda x, w: x, in_axes=(0, None))(a[0], w=a[1]),
+        ValueError,
+        r"(?s)\(1 given\).*Keyword arguments \['w'\] are not covered by in_axes \(they are mapped along "
+        r"dim 0\): pass the arguments that in_axes describes positionally\.",
+    ),
+    (
+        "unknown device",  # a device torch knows but fdp does not run on
+        lambda: (torch.zeros(2),),
+        lambda a: fdp.pmap(lambda x: x, devices=["mps"])(*a),
+        ValueError,
+        r"devices\[0\]: fdp runs on cpu and cuda devices, got 'mps'",
+    ),
+    (
+        "a NumPy array (or another library's array) under an int axis",
+        lambda: (torch.zeros(4, 1), np.zeros((4, 1))),
+        lambda a: pm(lambda x, y: x)(*a),
+        TypeError,
+        r"args\[1\]: a numpy.ndarray of shape \(4, 1\) is not a torch.Tensor, and fdp splits only "
+        r"tensors: every replica would get all of it. Convert it with torch.as_tensor",
+    ),
+    (
+        "an `fdp.SyncBatchNorm` in training mode where its axis is not bound",
+        lambda: (torch.randn(4, 2),),
+        lambda a: pm(fdp.SyncBatchNorm(2, axis_name="batch"))({}, *a),
+        NameError,
+        r"unbound axis name: batch \(fdp.SyncBatchNorm: the function being mapped was given no "
+        r"axis_name\): .* fdp.pmap\(..., axis_name='batch'\), or give "
+        r"fdp.DataParallel\(..., axis_name='batch'\)",
+    ),
+    (
+        "bad `compile` option",
+        lambda: (),
+        lambda a: pm(lambda x: x, compile="yes"),
+        TypeError,
+        r"compile must be True, False or a dict of torch.compile options .*got str: 'yes'",
+    ),
+    (
+        "bad `compile` option",
+        lambda: (),
+        lambda a: pm(lambda x: x, compile={"bogus": 1}),
+        TypeError,
+        r"torch.compile rejected compile=\{'bogus': 1\}: .*unexpected keyword argument 'bogus'",
+    ),
+    (
+        "a `torch.compile`d module where a private copy would run it",
+        lambda: (torch.zeros(1, 2),),
+        lambda a: fdp.functional_call(nn.Sequential(torch.compile(nn.Linear(2, 2))), {}, a),
+        TypeError,
+        r"fdp.functional_call: '0' is a torch.compile'd module \(OptimizedModule\), whose compiled "
+        r"forward belongs to the module it compiled",
+    ),
+    (
+        "a `torch.compile`d module where a private copy would run it",
+        lambda: (),
+        lambda a: fdp.DataParallel(torch.compile(nn.Linear(2, 2)), device_ids=cpus(2)),
+        TypeError,
+        r"fdp.DataParallel\(device_ids=\['cpu', 'cpu'\]\): a torch.compile'd module runs on one device "
+        r"only",
+    ),
+    (
+        "a released private copy used after its call (checkpointing where torch's own swap ran)",
+        lambda: (torch.randn(2, 3),),
+        lambda a: released_copy_in_backward(*a),
+        AttributeError,
+        r"fdp.functional_call: no attribute '_backward_hooks': this module is a private copy that "
+        r"fdp.functional_call lent to a call that has returned",
+    ),
+    (
+        "a type registered with optree in two namespaces",
+        lambda: (Twice(torch.zeros(4)),),
+        lambda a: pm(lambda t: t.x)(*a),
+        TypeError,
+        r"Twice is registered with optree in several namespaces \['lib-a', 'lib-b'\]",
+    ),
+    (
+        "replicas returning different structures",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda x: {"a": x} if fdp.axis_index("i") == 0 else {"b": x}, axis_name="i")(*a),
+        ValueError,
+        r"the replicas returned outputs of different structure: replica 0 returned "
+        r"PyTreeSpec\(\{'a': \*\}\) but replica 1 returned",
+    ),
+    (
+        "`out_axes=None` outputs that disagree (`check_unmapped_outputs=True`)",
+        lambda: (torch.arange(4.0),),
+        lambda a: pm(lambda x: x.sum(), out_axes=None, check_unmapped_outputs=True)(*a),
+        ValueError,
+        r"out_axes is None for output, but the replicas disagree",
+    ),
+    (
+        "replicas passing different shapes to a collective",
+        lambda: (torch.zeros(30),),
+        lambda a: pm(lambda v: fdp.psum({"v": v}, "i"), axis_name="i", devices=cpus(8))(*a),
+        ValueError,
+        r"fdp.psum: the replicas passed different shapes or dtypes at x\['v'\]: replica 0 passed "
+        r"float32\[4\] but replica 7 passed float32\[2\]",
+    ),
+    (
+        "replicas calling different collectives",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(
+            lambda v: fdp.psum(v, "i") if fdp.axis_index("i") == 0 else fdp.pmax(v, "i"), axis_name="i"
+        )(*a),
+        ValueError,
+        # Named in the order the replicas arrived, which the threads decide.
+        r"the replicas called different collectives at the same point: "
+        r"fdp.(psum|pmax) \(replica (0|1)\) and fdp.(pmax|psum) \(replica (1|0)\)",
+    ),
+    (
+        "replicas calling different collectives",  # one collective, with different options
+        lambda: (torch.zeros(4),),
+        lambda a: pm(
+            lambda v: fdp.ppermute(v, "i", [(0, 1), (1, 0)] if fdp.axis_index("i") == 0 else [(0, 1)]),
+            axis_name="i",
+        )(*a),
+        ValueError,
+        r"the replicas called different collectives at the same point: .*"
+        r"fdp.ppermute\(perm=\[\(0, 1\), \(1, 0\)\]\) \(replica 0\)",
+    ),
+    (
+        "a replica skipping a collective the others wait in",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda v: fdp.psum(v, "i") if fdp.axis_index("i") == 0 else v, axis_name="i")(*a),
+        RuntimeError,
+        r"replica 1 returned without calling fdp.psum, which the other replicas are waiting in",
+    ),
+    (
+        "`torch.autograd` through a collective inside the replica",
+        lambda: (torch.zeros(4, requires_grad=True),),
+        lambda a: pm(grad_through_psum, axis_name="i")(*a),
+        RuntimeError,
+        r"torch.autograd was asked to differentiate through fdp.psum inside the mapped function",
+    ),
+    (
+        "DataParallel on several devices, a buffer changed in place in evaluation mode",
+        lambda: (torch.zeros(4, 2),),
+        lambda a: fdp.DataParallel(BumpsInPlace().eval(), device_ids=cpus(2))(*a),
+        RuntimeError,
+        r"fdp.DataParallel: the replicas modified buffers\['high'\] in place.* In evaluation mode the "
+        r"replicas share the module's buffers .*: change buffers in place in training mode only, or "
+        r"run such a module on one device\.",
+    ),
 ]
+
+# Entries of the catalogue that need what this file does not set up, and where they are tested.
+TESTED_APART = {
+    "a collective differentiated under `torch.func` on replicas that share a GPU": (
+        "tests/test_cuda.py",
+        "tests/test_collectives.py",
+    ),
+    "a rank that fails under `fdp.distributed`": ("tests/test_distributed.py",),
+    "processes passing different trees to a collective under `fdp.distributed`": (
+        "tests/test_distributed.py",
+    ),
+}
 
 
 def snapshot(tree: Any) -> list[Any]:
@@ -300,9 +518,31 @@ def test_bad_input(
             assert torch.equal(now, then[1]) and now._version == then[2]
 
 
-def test_every_catalogue_entry_is_in_the_docs() -> None:
+def catalogue() -> list[str]:
+    """The first column of docs/errors.md's table: one mistake per row."""
     from pathlib import Path
 
     errors = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
-    missing = [name for name, *_ in CASES if name not in errors]
+    rows = [line for line in errors.splitlines() if line.startswith("| ")]
+    return [row.split(" | ")[0].removeprefix("| ") for row in rows[2:]]  # after the header and its rule
+
+
+def test_every_catalogue_entry_is_in_the_docs() -> None:
+    missing = [name for name, *_ in CASES if name not in catalogue()]
     assert not missing, f"docs/errors.md does not list: {missing}"
+
+
+def test_every_entry_of_the_docs_is_run_here_or_apart() -> None:
+    # docs/errors.md says that this file runs every entry of its catalogue but those apart.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    entries = set(catalogue())
+    assert "mismatched sizes" in entries and len(entries) > 40, entries
+    untested = entries - {name for name, *_ in CASES} - set(TESTED_APART)
+    assert not untested, f"docs/errors.md lists entries that no test runs: {sorted(untested)}"
+    errors = (root / "docs" / "errors.md").read_text()
+    for name, files in TESTED_APART.items():
+        assert name in entries, name
+        for file in files:
+            assert file in errors and (root / file).exists(), (name, file)
