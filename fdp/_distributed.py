@@ -114,8 +114,8 @@ class RankFailed(RuntimeError):
     """Another rank failed: raised on the ranks that were waiting for it.
 
     Its message names the rank that failed, what this rank was waiting in, and the failed rank's
-    exception, e.g. ``fdp.distributed: rank 1 failed during an all_reduce (sum): ValueError:
-    ...``. A subclass of ``RuntimeError``.
+    exception, e.g. ``fdp.distributed: rank 1 failed during fdp.psum (an all_reduce (sum)):
+    ValueError: ...``. A subclass of ``RuntimeError``.
 
     Examples:
         >>> import fdp
