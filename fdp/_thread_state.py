@@ -229,6 +229,7 @@ class Fresh(NamedTuple):
     """A fresh thread's state (taken by each worker when it starts), to go back to."""
 
     leftovers: tuple[object, ...]
+    grad_enabled: bool
     switches: tuple[bool, ...]  # the values of _SWITCHES
     autocast_dtypes: tuple[tuple[str, torch.dtype], ...]
     autocast_cache: bool
@@ -238,6 +239,7 @@ def fresh() -> Fresh:
     """The calling thread's state, taken before it runs anything."""
     return Fresh(
         leftovers(),
+        torch.is_grad_enabled(),
         tuple(read() for read, _ in _SWITCHES),
         tuple((t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES),
         torch.is_autocast_cache_enabled(),
@@ -250,7 +252,7 @@ def restore(fresh: Fresh) -> bool:
     guards still held cannot be taken back from outside: the worker is then replaced."""
     C = torch._C  # noqa: N806
     autograd = C._autograd
-    C._set_grad_enabled(bool(fresh.leftovers[0]))  # leftovers() begins with grad mode
+    C._set_grad_enabled(fresh.grad_enabled)
     for (_, write), value in zip(_SWITCHES, fresh.switches):
         write(value)
     for device_type, dtype in fresh.autocast_dtypes:

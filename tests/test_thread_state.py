@@ -262,6 +262,7 @@ def leave_hooks_disabled() -> None:
 
 LEFT_SET = {
     "set_autocast_enabled": lambda: torch.set_autocast_enabled("cpu", True),
+    "grad mode off": lambda: torch._C._set_grad_enabled(False),
     "autocast never left": leave_autocast,
     "forward AD off": lambda: torch._C._set_fwd_grad_enabled(False),
     "multithreading off": lambda: torch._C._set_multithreading_enabled(False),
