@@ -62,7 +62,13 @@ class Pmapped(Generic[P, R]):
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         if not callable(fn):
-            raise TypeError(f"fdp.pmap: fn must be callable, got {type(fn).__name__}: {fn!r}")
+            # Most often an option passed positionally, @fdp.pmap(0) for in_axes=0 (as
+            # jax.pmap's second parameter is positional): its options are keyword-only here.
+            raise TypeError(
+                f"fdp.pmap: fn must be callable, got {type(fn).__name__}: {_tree.short_repr(fn)}. "
+                "fdp.pmap's options are keyword-only: fdp.pmap(f, in_axes=0, ...), or as a "
+                "decorator @fdp.pmap(in_axes=0, ...)"
+            )
         self.fn = fn
         self.is_module = isinstance(fn, nn.Module)
         name = type(fn).__name__ if self.is_module else getattr(fn, "__qualname__", None)
@@ -82,9 +88,16 @@ class Pmapped(Generic[P, R]):
             if output_device is None
             else _devices.parse_device(output_device, what=f"{what} output_device")
         )
-        argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        argnums: tuple[Any, ...]
+        try:
+            argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        except TypeError:  # not iterable (None, a float): said below, not as tuple() says it
+            argnums = (static_argnums,)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in argnums):
-            raise TypeError(f"{what}: static_argnums must be an int or ints, got {static_argnums!r}")
+            raise TypeError(
+                f"{what}: static_argnums must be an int or a sequence of ints, got "
+                f"{type(static_argnums).__name__}: {_tree.short_repr(static_argnums)}"
+            )
         self.static_argnums = argnums
         self.check_unmapped_outputs = bool(check_unmapped_outputs)
         self._compile_options = compile
@@ -374,10 +387,22 @@ class Pmapped(Generic[P, R]):
                     "argument: pmapped_model(params, *args, **kwargs), params as in "
                     "dict(model.named_parameters()) | dict(model.named_buffers())"
                 )
-            if isinstance(args[0], torch.Tensor):
+            head = args[0]
+            # What torch.func.functional_call takes: a dict, or a sequence of dicts. (One type
+            # test on the usual call; anything else would fail in every replica, in torch's
+            # words, naming neither this call nor the argument.)
+            if type(head) is not dict and not isinstance(head, (dict, list, tuple)):
+                if isinstance(head, torch.Tensor):
+                    got = f"a tensor of type {_tree.describe(head)}"
+                elif head is self.fn:
+                    got = f"the module itself ({type(head).__name__})"
+                elif isinstance(head, nn.Module):
+                    got = f"a module ({type(head).__name__})"
+                else:
+                    got = f"{type(head).__name__}: {_tree.short_repr(head)}"
                 raise TypeError(
                     f"{self._caller} takes the module's parameters and buffers as its first "
-                    f"argument, but got a tensor of type {_tree.describe(args[0])} there: call it "
+                    f"argument (params, a dict of tensors by name), but got {got} there: call it "
                     "as pmapped_model(params, *args, **kwargs), with params as in "
                     "dict(model.named_parameters()), or pmapped_model({}, x) for the module's own"
                 )

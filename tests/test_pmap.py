@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import threading
 from typing import Any, NamedTuple
 
@@ -60,6 +61,15 @@ def test_method_decorator_binds_self() -> None:
 def test_not_callable_is_type_error() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         fdp.pmap(3)  # type: ignore[call-overload]
+
+
+def test_an_option_passed_positionally_says_the_options_are_keyword_only() -> None:
+    # @fdp.pmap(0), a jax.pmap habit (in_axes is positional there): 0 lands in fn.
+    with pytest.raises(TypeError) as info:
+        fdp.pmap(0, devices=cpus(2))  # type: ignore[call-overload]
+    message = str(info.value)
+    assert message.startswith("fdp.pmap: fn must be callable, got int: 0. "), message
+    assert "keyword-only" in message and "@fdp.pmap(in_axes=0, ...)" in message
 
 
 # --- devices -----------------------------------------------------------------------------------
@@ -682,6 +692,38 @@ def test_module_called_with_the_batch_in_place_of_params_is_a_clear_error() -> N
     assert "got a tensor" in str(info.value) and "pmapped_model({}, x)" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("params", "got"),
+    [
+        ("module", r"the module itself \(TwoLayer\)"),
+        ("other module", r"a module \(Linear\)"),
+        (None, "NoneType: None"),
+        ("names", r"str: 'names'"),
+    ],
+)
+def test_module_called_with_params_that_are_no_dict_is_a_clear_error(params: Any, got: str) -> None:
+    # pmapped(model, x) and the like reached torch.func.functional_call in every replica, which
+    # said "Expected parameter_and_buffer_dicts to be a dict ..." naming neither call nor argument.
+    model = TwoLayer()
+    given = {"module": model, "other module": nn.Linear(1, 1)}.get(params, params)
+    with pytest.raises(TypeError) as info:
+        fdp.pmap(model, devices=cpus(2))(given, torch.ones(4, 4))
+    message = str(info.value)
+    assert re.match(
+        r"fdp\.pmap\(TwoLayer\) takes the module's parameters and buffers as its first argument "
+        rf"\(params, a dict of tensors by name\), but got {got} there: ",
+        message,
+    ), message
+    assert "dict(model.named_parameters())" in message
+
+
+def test_module_takes_a_sequence_of_dicts_as_params_as_torch_func_does() -> None:
+    model = TwoLayer()
+    params = dict(model.named_parameters())
+    out = fdp.pmap(model, devices=cpus(2))((params, {}), torch.ones(4, 4))
+    torch.testing.assert_close(out, model(torch.ones(4, 4)))
+
+
 def test_module_sees_eval_after_first_call() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.9))
     params = dict(model.named_parameters())
@@ -746,8 +788,22 @@ def test_static_argument_not_given_positionally_is_a_value_error(module: bool) -
 
 
 def test_static_argnums_must_be_ints() -> None:
-    with pytest.raises(TypeError, match="static_argnums must be an int or ints"):
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.pmap\(.*<lambda>\): static_argnums must be an int or a sequence of ints, "
+        r"got tuple: \('x',\)$",
+    ):
         fdp.pmap(lambda x: x, static_argnums=("x",))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "got"), [(None, "NoneType: None"), (1.0, "float: 1.0")])
+def test_static_argnums_that_is_not_iterable_is_named(value: Any, got: str) -> None:
+    # tuple(None) said only "'NoneType' object is not iterable", naming neither call nor option.
+    with pytest.raises(
+        TypeError,
+        match=rf"^fdp\.pmap\(.*<lambda>\): static_argnums must be an int or a sequence of ints, got {got}$",
+    ):
+        fdp.pmap(lambda x: x, static_argnums=value)
 
 
 # --- replicated inputs -------------------------------------------------------------------------
