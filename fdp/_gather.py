@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -420,6 +420,7 @@ def gather(
     Raises:
         ValueError: the structures differ, non-tensor leaves differ, or tensors cannot be
             concatenated.
+        TypeError: ``trees`` is one tree (a tensor or a dict) rather than a sequence of them.
 
     Examples:
         >>> import torch, fdp
@@ -427,6 +428,18 @@ def gather(
         {'y': tensor([0., 0., 1.]), 'n': 1}
     """
     caller = "fdp.gather"
+    if isinstance(trees, (torch.Tensor, Mapping)):
+        # One replica's output rather than the list of them: a tensor's truth value is an
+        # error of torch's own, and a dict's keys were gathered as if they were the replicas'.
+        got = (
+            f"tensor of type {_tree.describe(trees)}"
+            if isinstance(trees, torch.Tensor)
+            else type(trees).__name__
+        )
+        raise TypeError(
+            f"{caller}: trees must be a sequence of the replicas' trees (one per replica), got "
+            f"a {got}; for one replica, pass [tree]"
+        )
     if not trees:
         raise ValueError(f"{caller} needs at least one tree, got an empty sequence")
     destination = _devices.check_available(

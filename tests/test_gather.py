@@ -86,6 +86,21 @@ def test_gather_errors() -> None:
         fdp.gather([torch.tensor(1.0), torch.ones(1)], "cpu")
 
 
+@pytest.mark.parametrize(
+    ("trees", "got"),
+    [(torch.ones(4, 3), r"a tensor of type float32\[4,3\]"), ({"a": torch.ones(4)}, "a dict")],
+)
+def test_one_tree_in_place_of_the_replicas_trees_is_refused(trees: object, got: str) -> None:
+    # A tensor failed on its own truth value (RuntimeError, naming nothing); a dict's keys were
+    # taken for the replicas' outputs: fdp.gather({"a": t}, "cpu") returned 'a'.
+    with pytest.raises(
+        TypeError,
+        match=rf"^fdp\.gather: trees must be a sequence of the replicas' trees \(one per replica\), "
+        rf"got {got}; for one replica, pass \[tree\]$",
+    ):
+        fdp.gather(trees, "cpu")  # type: ignore[arg-type]
+
+
 def test_nan_non_tensor_outputs_are_equal() -> None:
     # Replicas computing the same float NaN agree (float("nan") is a new object each time).
     out = fdp.gather([(torch.ones(1), float("nan")), (torch.ones(1), float("nan"))], "cpu")
