@@ -67,7 +67,13 @@ def parallel_apply(
             example="fdp.parallel_apply(torch.func.grad(loss_fn), inputs)",
             outputs="the results",
         )
-    n = len(inputs)
+    try:
+        n = len(inputs)
+    except TypeError:  # a generator, None: said in fdp's words, not as len() says it
+        raise TypeError(
+            f"{caller}: inputs must be a sequence with one entry per replica (a list of argument "
+            f"tuples), got {type(inputs).__name__}: {_tree.short_repr(inputs)}"
+        ) from None
     if n == 0:
         raise ValueError(f"{caller} needs at least one input, got an empty sequence")
     if isinstance(fns, (list, tuple, nn.ModuleList)):
@@ -80,6 +86,7 @@ def parallel_apply(
         raise ValueError(f"{caller} got {len(fns)} functions for {n} inputs")
     per_kwargs: Sequence[Mapping[str, Any] | None] = [None] * n if kwargs is None else kwargs
     if len(per_kwargs) != n:
+        _refuse_one_dict_of_kwargs(kwargs, n, caller)
         raise ValueError(f"{caller} got {len(per_kwargs)} kwargs for {n} inputs")
     args = [x if isinstance(x, tuple) else (x,) for x in inputs]
     if devices is None:
@@ -88,7 +95,23 @@ def parallel_apply(
         resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
         if len(resolved) != n:
             raise ValueError(f"{caller} got {len(resolved)} devices for {n} inputs")
-    replicas = [functools.partial(fn, *a, **(k or {})) for fn, a, k in zip(fns, args, per_kwargs)]
+    try:
+        replicas = [functools.partial(fn, *a, **(k or {})) for fn, a, k in zip(fns, args, per_kwargs)]
+    except TypeError:
+        # functools.partial's words ("the first argument must be callable", "argument after **
+        # must be a mapping") name neither the call nor the entry: found here, on failure only.
+        _refuse_one_dict_of_kwargs(kwargs, n, caller)
+        for i, (fn, k) in enumerate(zip(fns, per_kwargs)):
+            if not callable(fn):
+                raise TypeError(
+                    f"{caller}: fns[{i}] must be callable, got {type(fn).__name__}: {_tree.short_repr(fn)}"
+                ) from None
+            if k is not None and not isinstance(k, Mapping):
+                raise TypeError(
+                    f"{caller}: kwargs[{i}] must be a dict of keyword arguments or None, got "
+                    f"{type(k).__name__}: {_tree.short_repr(k)}"
+                ) from None
+        raise
     tensors: list[list[torch.Tensor]] | None = None
     if any(d.type == "cuda" for d in resolved):
         tensors = [
@@ -96,3 +119,15 @@ def parallel_apply(
             for a, k in zip(args, per_kwargs)
         ]
     return _pool.run_replicas(resolved, replicas, caller=caller, inputs=tensors)
+
+
+def _refuse_one_dict_of_kwargs(kwargs: Any, n: int, caller: str) -> None:
+    """Raises if ``kwargs`` is one dict of keyword arguments rather than one per input (as
+    ``torch.nn.parallel.parallel_apply`` takes them too): its keys would be taken for the
+    replicas' dicts."""
+    if isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"{caller}: kwargs must be a sequence with one dict of keyword arguments per input "
+            f"(or None), got one {type(kwargs).__name__}: {_tree.short_repr(kwargs)}; for the same "
+            f"keyword arguments in every replica, pass [kwargs] * {n}"
+        ) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -76,6 +77,43 @@ def test_length_mismatches() -> None:
         fdp.parallel_apply(abs, [])
     with pytest.raises(TypeError, match="fns must be a callable or a sequence"):
         fdp.parallel_apply(3, [1])  # type: ignore[arg-type]
+
+
+def test_inputs_that_are_no_sequence_are_named() -> None:
+    # len() said "object of type 'generator' has no len()", naming neither call nor argument.
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.parallel_apply: inputs must be a sequence with one entry per replica \(a list "
+        r"of argument tuples\), got generator: <generator",
+    ):
+        fdp.parallel_apply(abs, (x for x in [1, 2]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"inputs must be a sequence .*, got NoneType: None$"):
+        fdp.parallel_apply(abs, None)  # type: ignore[arg-type]
+
+
+def test_an_entry_of_fns_that_is_not_callable_is_named() -> None:
+    # functools.partial said only "the first argument must be callable".
+    with pytest.raises(TypeError, match=r"^fdp\.parallel_apply: fns\[1\] must be callable, got int: 3$"):
+        fdp.parallel_apply([abs, 3], [1, 2], devices=cpus(2))  # type: ignore[list-item]
+
+
+def test_one_dict_of_kwargs_for_all_inputs_is_refused() -> None:
+    # With as many keys as inputs, each key was taken for a replica's dict ("argument after **
+    # must be a mapping, not str"); with another number, "got 1 kwargs for 2 inputs".
+    for kwargs in ({"a": 1, "b": 2}, {"a": 1}):
+        with pytest.raises(
+            TypeError,
+            match=r"^fdp\.parallel_apply: kwargs must be a sequence with one dict of keyword arguments "
+            rf"per input \(or None\), got one dict: {re.escape(repr(kwargs))}; for the same keyword "
+            r"arguments in every replica, pass \[kwargs\] \* 2$",
+        ):
+            fdp.parallel_apply(lambda x, **k: x, [1, 2], kwargs, devices=cpus(2))  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.parallel_apply: kwargs\[1\] must be a dict of keyword arguments or None, "
+        r"got tuple: \(1,\)$",
+    ):
+        fdp.parallel_apply(lambda x, **k: x, [1, 2], [{}, (1,)], devices=cpus(2))  # type: ignore[list-item]
 
 
 @pytest.mark.usefixtures("on_workers")  # replica 1 on its worker, outside the transform
