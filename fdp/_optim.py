@@ -398,7 +398,14 @@ def _check_non_negative(name: str, **values: float) -> None:
     """Refuses what torch.optim refuses: negative values, and NaN (``not >= 0``, as
     ``torch.optim.Adam`` writes its checks)."""
     for what, value in values.items():
-        if not value >= 0:
+        try:
+            negative = not value >= 0
+        except (TypeError, RuntimeError):  # a str, None, a schedule, a tensor of several values
+            raise TypeError(
+                f"fdp.optim.{name}: {what} must be a non-negative number, got "
+                f"{type(value).__name__}: {_tree.short_repr(value)}"
+            ) from None
+        if negative:
             raise ValueError(f"fdp.optim.{name}: {what} must be non-negative, got {value!r}")
 
 
@@ -480,8 +487,17 @@ def _adam(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool, name: str
 ) -> GradientTransformation:
     _check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
-    beta1, beta2 = betas
-    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+    try:
+        beta1, beta2 = betas
+        in_range = 0 <= beta1 < 1 and 0 <= beta2 < 1
+    except (TypeError, ValueError, RuntimeError) as err:
+        # Not a pair (betas=0.9, or three values), or not numbers: unpacked or compared, they
+        # said only "cannot unpack non-iterable float object" and the like.
+        raise (ValueError if isinstance(err, ValueError) else TypeError)(
+            f"fdp.optim.{name}: betas must be a pair of numbers in [0, 1), got "
+            f"{type(betas).__name__}: {_tree.short_repr(betas)}"
+        ) from None
+    if not in_range:
         raise ValueError(f"fdp.optim.{name}: betas must be in [0, 1), got {betas!r}")
 
     def init(params: Tree) -> AdamState:
@@ -595,7 +611,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         >>> clipped["g"]
         tensor([0.6000, 0.8000])
     """
-    if not max_norm > 0:
+    try:
+        positive = max_norm > 0
+    except (TypeError, RuntimeError):  # a str, None, a tensor of several values
+        raise TypeError(
+            "fdp.optim.clip_by_global_norm: max_norm must be a positive number, got "
+            f"{type(max_norm).__name__}: {_tree.short_repr(max_norm)}"
+        ) from None
+    if not positive:
         raise ValueError(f"fdp.optim.clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
 
     def init(params: Tree) -> EmptyState:
@@ -655,6 +678,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         >>> optim.apply_updates(params, updates)  # clipped to norm 1, then a step of 0.5
         {'w': tensor([-0.3000, -0.4000])}
     """
+    for i, transform in enumerate(transforms):
+        if not (callable(getattr(transform, "init", None)) and callable(getattr(transform, "update", None))):
+            # A factory not called (chain(clip_by_global_norm, ...)), or a list of transforms:
+            # it would fail on first use with "... object has no attribute 'init'".
+            raise TypeError(
+                f"fdp.optim.chain: transforms[{i}] must be a GradientTransformation (an init, "
+                f"update pair such as fdp.optim.adam(1e-3)), got {type(transform).__name__}: "
+                f"{_tree.short_repr(transform)}"
+            )
 
     def init(params: Tree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)

@@ -607,6 +607,79 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
         make()
 
 
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        # Compared with 0 as they were, these said only "'>=' not supported between instances
+        # of 'str' and 'int'", naming neither the optimizer nor the hyperparameter.
+        (
+            lambda: optim.sgd("0.1"),
+            TypeError,
+            r"^fdp\.optim\.sgd: lr must be a non-negative number, got str: '0\.1'$",
+        ),
+        (
+            lambda: optim.adam(None),
+            TypeError,
+            r"^fdp\.optim\.adam: lr must be a non-negative number, got NoneType: None$",
+        ),
+        (
+            lambda: optim.adamw(lambda step: 1e-3),
+            TypeError,
+            r"^fdp\.optim\.adamw: lr must be a non-negative number, got function: <function ",
+        ),
+        (
+            lambda: optim.sgd(0.1, momentum="0.9"),
+            TypeError,
+            r"^fdp\.optim\.sgd: momentum must be a non-negative number, got str: '0\.9'$",
+        ),
+        (
+            lambda: optim.adam(eps=torch.ones(2)),
+            TypeError,
+            r"^fdp\.optim\.adam: eps must be a non-negative number, got Tensor: tensor\(\[1\., 1\.\]\)$",
+        ),
+        # Unpacked as they were: "cannot unpack non-iterable float object", "too many values".
+        (
+            lambda: optim.adam(betas=0.9),
+            TypeError,
+            r"^fdp\.optim\.adam: betas must be a pair of numbers in \[0, 1\), got float: 0\.9$",
+        ),
+        (
+            lambda: optim.adamw(betas=(0.9, 0.99, 0.1)),
+            ValueError,
+            r"^fdp\.optim\.adamw: betas must be a pair of numbers in \[0, 1\), "
+            r"got tuple: \(0\.9, 0\.99, 0\.1\)$",
+        ),
+        (
+            lambda: optim.adam(betas=("0.9", 0.99)),
+            TypeError,
+            r"^fdp\.optim\.adam: betas must be a pair of numbers in \[0, 1\), got tuple: \('0\.9', 0\.99\)$",
+        ),
+        (
+            lambda: optim.clip_by_global_norm("1"),
+            TypeError,
+            r"^fdp\.optim\.clip_by_global_norm: max_norm must be a positive number, got str: '1'$",
+        ),
+        # The factory itself, not called: "'function' object has no attribute 'init'" on first use.
+        (
+            lambda: optim.chain(optim.clip_by_global_norm, optim.adam()),
+            TypeError,
+            r"^fdp\.optim\.chain: transforms\[0\] must be a GradientTransformation \(an init, update pair "
+            r"such as fdp\.optim\.adam\(1e-3\)\), got function: <function clip_by_global_norm",
+        ),
+        (
+            lambda: optim.chain([optim.sgd(0.1)]),
+            TypeError,
+            r"^fdp\.optim\.chain: transforms\[0\] must be a GradientTransformation .*, got list: \[",
+        ),
+    ],
+)
+def test_hyperparameters_of_the_wrong_type_are_named(
+    make: Callable[[], Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
 _ONE = [torch.zeros(1, requires_grad=True)]
 
 
