@@ -26,7 +26,7 @@ class PerReplica:
 
     Args:
         values: the replicas' values, in replica order.
-        devices: their devices (one per value).
+        devices: their devices (one ``torch.device`` per value).
 
     Examples:
         >>> import torch, fdp
@@ -86,6 +86,8 @@ class PerReplica:
         return iter(self.values)
 
     def __repr__(self) -> str:
+        if not self.values:  # one that no call can use, but that may still be printed
+            return "PerReplica(0 replicas)"
         described = _tree.describe(self.values[0])
         return f"PerReplica({len(self.values)} replicas on {_names(self.devices)}: {described})"
 

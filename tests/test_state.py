@@ -206,6 +206,23 @@ def test_per_replica_repr_and_checks() -> None:
     assert repr(value) == "PerReplica(2 replicas on cpu, cpu: float32[2])"
     with pytest.raises(ValueError, match="one device per value"):
         fdp.PerReplica([1, 2], [torch.device("cpu")])
+    # An empty one fits no call (refused there), but prints: repr raised IndexError.
+    assert repr(fdp.PerReplica([], [])) == "PerReplica(0 replicas)"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_per_replica_built_with_devices_spelled_as_strings_says_so(n: int) -> None:
+    # "cpu" != torch.device("cpu"): the state fitted no call, and the message read "holds 2
+    # values, one per replica on ['cpu', 'cpu'], but this call runs 2 replicas on ['cpu', 'cpu']".
+    state = fdp.PerReplica([torch.ones(3)] * n, ["cpu"] * n)  # type: ignore[list-item]
+    with pytest.raises(TypeError) as info:
+        fdp.pmap(lambda x, s: x + s, devices=cpus(n))(torch.zeros(4, 3), state)
+    message = str(info.value)
+    assert message.startswith(
+        "fdp.pmap(test_a_per_replica_built_with_devices_spelled_as_strings_says_so.<locals>.<lambda>): "
+        f"args[1] is a PerReplica whose devices must be torch.device objects, got strs: {['cpu'] * n!r}. "
+    ), message
+    assert "[torch.device(d) for d in devices]" in message
 
 
 @pytest.mark.parametrize("n", [1, 2])
