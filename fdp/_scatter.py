@@ -122,14 +122,26 @@ def scatter_leaves(
     on_cpu = all(d.type == "cpu" for d in run_on)
     for k, dim in mapped:
         leaf = leaves[k]
-        if on_cpu and leaf.is_cpu:
-            # The common CPU case, inline: one replica keeps the tensor, several get views.
-            if n > 1:
-                for r, shard in enumerate(leaf.split_with_sizes(sizes, dim)):
-                    rows[r][k] = shard
-            continue
-        for r, shard in enumerate(_transfer.split_to(leaf, dim, sizes, run_on)):
-            rows[r][k] = shard
+        try:
+            if on_cpu and leaf.is_cpu:
+                # The common CPU case, inline: one replica keeps the tensor, several get views.
+                if n > 1:
+                    for r, shard in enumerate(leaf.split_with_sizes(sizes, dim)):
+                        rows[r][k] = shard
+                continue
+            for r, shard in enumerate(_transfer.split_to(leaf, dim, sizes, run_on)):
+                rows[r][k] = shard
+        except RuntimeError as err:  # NotImplementedError too
+            if leaf.layout == torch.strided:
+                raise
+            # A sparse tensor: torch's error ("Could not run 'aten::as_strided' with arguments
+            # from the 'SparseCPU' backend ...") names neither the call nor the argument.
+            raise TypeError(
+                f"{caller}: {paths()[k]} is a tensor of layout {leaf.layout} (type "
+                f"{_tree.describe(leaf)}), which fdp cannot split along axis {user_axes[k]}: "
+                "give it axis None to pass it whole to every replica, or convert it with "
+                f".to_dense() to split it ({type(err).__name__}: {str(err).split('. ')[0]})"
+            ) from err
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)
     return Scattered(rows, run_on, sizes, shared)

@@ -74,6 +74,28 @@ def test_scatter_errors_name_the_tree_path() -> None:
         fdp.scatter((torch.zeros(2),), cpus(2), in_axes=(0, 0))
 
 
+def test_a_sparse_tensor_under_a_mapped_axis_is_named_and_passes_whole_under_none() -> None:
+    # torch.split refuses it deep inside ("Could not run 'aten::as_strided' with arguments from
+    # the 'SparseCPU' backend ..."), naming neither the call nor the argument.
+    sparse = torch.eye(4).to_sparse()
+    f = fdp.pmap(lambda x, s: x + torch.sparse.sum(s), devices=cpus(2))
+    with pytest.raises(TypeError) as info:
+        f(torch.zeros(4), sparse)
+    message = str(info.value)
+    assert message.startswith(
+        "fdp.pmap(test_a_sparse_tensor_under_a_mapped_axis_is_named_and_passes_whole_under_none."
+        "<locals>.<lambda>): args[1] is a tensor of layout torch.sparse_coo (type float32[4,4]), "
+        "which fdp cannot split along axis 0: give it axis None to pass it whole to every replica, "
+        "or convert it with .to_dense() to split it (NotImplementedError: "
+    ), message
+    with pytest.raises(
+        TypeError, match=r"^fdp\.scatter: tree\['s'\] is a tensor of layout torch\.sparse_coo"
+    ):
+        fdp.scatter({"x": torch.zeros(4), "s": sparse}, cpus(2))
+    whole = fdp.pmap(lambda x, s: x + torch.sparse.sum(s), in_axes=(0, None), devices=cpus(2))
+    torch.testing.assert_close(whole(torch.zeros(4), sparse), torch.full((4,), 4.0))
+
+
 def test_replicate_gives_every_device_the_tree() -> None:
     params = {"w": torch.randn(3, requires_grad=True), "name": "layer"}
     copies = fdp.replicate(params, cpus(3))
