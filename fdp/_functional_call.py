@@ -21,7 +21,7 @@ import operator
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import _replica
+from . import _replica, _tree
 
 __all__ = ["functional_call", "stateful_call"]
 
@@ -392,6 +392,13 @@ def functional_call(
         swapped = None if strict or torch.jit.is_tracing() else _swap_in(skeleton, params, tie_weights)
         references = skeleton.references()
         if swapped is None:
+            if not isinstance(params, (dict, list, tuple)):
+                # What torch.func.functional_call takes; its own words ("Expected
+                # parameter_and_buffer_dicts to be a dict ...") name neither call nor argument.
+                raise TypeError(
+                    "fdp.functional_call: params must be a dict of tensors by name (or a sequence "
+                    f"of such dicts), got {type(params).__name__}: {_tree.short_repr(params)}"
+                )
             if skeleton.by_path is None:  # (worked out, it says the tree has no parametrization)
                 _own_originals(skeleton.root, params)
             return torch.func.functional_call(
@@ -615,7 +622,17 @@ def stateful_call(
     own = dict(module.named_buffers())
     # A buffer that ``params`` names (a dict of both, as torch.func.functional_call takes) is
     # the caller's value: taken from the module instead, it would silently replace it.
-    everything = {**own, **{name: params[name] for name in own if name in params}, **buffers}
+    try:
+        everything = {**own, **{name: params[name] for name in own if name in params}, **buffers}
+    except TypeError:
+        # None for buffers (or params) said only "'NoneType' object is not a mapping".
+        for what, value in (("params", params), ("buffers", buffers)):
+            if not isinstance(value, Mapping):
+                raise TypeError(
+                    f"fdp.stateful_call: {what} must be a dict of tensors by name, got "
+                    f"{type(value).__name__}: {_tree.short_repr(value)}"
+                ) from None
+        raise
     # (None, given in params to run without that buffer, as torch.func.functional_call takes
     # it, stays None; a value that is not a tensor reaches torch, which says why it is refused.)
     new_buffers = {name: b.clone() if isinstance(b, torch.Tensor) else b for name, b in everything.items()}

@@ -855,3 +855,34 @@ def test_a_shared_sync_batch_norm_updating_its_own_buffers_is_no_error() -> None
     torch.testing.assert_close(f(params, x), reference(x))
     for name, buffer in reference.named_buffers():
         torch.testing.assert_close(model.get_buffer(name), buffer)
+
+
+@pytest.mark.parametrize(("params", "got"), [(None, "NoneType: None"), ("module", "Linear: Linear(")])
+def test_params_that_are_no_dict_are_named(params: object, got: str) -> None:
+    # torch.func.functional_call's words, "Expected parameter_and_buffer_dicts to be a dict, or a
+    # list/tuple of dicts", named neither the call nor the argument.
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError) as info:
+        fdp.functional_call(model, model if params == "module" else params, (torch.ones(1, 3),))
+    message = str(info.value)
+    assert message.startswith(
+        "fdp.functional_call: params must be a dict of tensors by name (or a sequence of such "
+        f"dicts), got {got}"
+    ), message
+    # A sequence of dicts is torch's other form, and stays allowed.
+    params_and_buffers = ({"weight": torch.ones(2, 3)}, {"bias": torch.zeros(2)})
+    torch.testing.assert_close(
+        fdp.functional_call(model, params_and_buffers, (torch.ones(1, 3),)), torch.full((1, 2), 3.0)
+    )
+
+
+@pytest.mark.parametrize("which", ["params", "buffers"])
+def test_stateful_call_names_params_or_buffers_that_are_no_dict(which: str) -> None:
+    # {**None} said only "'NoneType' object is not a mapping".
+    bn = nn.BatchNorm1d(2)
+    given = {"params": dict(bn.named_parameters()), "buffers": dict(bn.named_buffers()), which: None}
+    with pytest.raises(
+        TypeError,
+        match=rf"^fdp\.stateful_call: {which} must be a dict of tensors by name, got NoneType: None$",
+    ):
+        fdp.stateful_call(bn, given["params"], given["buffers"], (torch.randn(4, 2),))  # type: ignore[arg-type]
