@@ -96,6 +96,12 @@ class DataParallel(nn.Module):
         _split.check_split(split, what="fdp.DataParallel split")
         if buffers not in ("average", "replica0"):
             raise ValueError(f"fdp.DataParallel: buffers must be 'average' or 'replica0', got {buffers!r}")
+        try:
+            hash(axis_name)
+        except TypeError:  # else refused by the pmap beneath, as "fdp.pmap(_forward_replica)"
+            raise TypeError(
+                f"fdp.DataParallel: axis_name must be hashable, got {type(axis_name).__name__}: {axis_name!r}"
+            ) from None
         self.module = module
         devices = _devices.resolve_devices(device_ids, what="fdp.DataParallel device_ids")
         if len(devices) > 1 and isinstance(module, _functional_call.compiled_module_type()):

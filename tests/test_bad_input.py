@@ -309,6 +309,14 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"^fdp.DataParallel split must be one of \('chunk', 'balanced'\), got 'even'$",
     ),
     (
+        # Was refused by the pmap beneath, as "fdp.pmap(_forward_replica): axis_name ...".
+        "DataParallel with an axis_name that is not hashable",
+        lambda: (),
+        lambda a: fdp.DataParallel(nn.Linear(1, 1), device_ids=cpus(2), axis_name=["i"]),
+        TypeError,
+        r"^fdp.DataParallel: axis_name must be hashable, got list: \['i'\]$",
+    ),
+    (
         "DataParallel of something that is not a module",
         lambda: (),
         lambda a: fdp.DataParallel(torch.tanh, device_ids=cpus(2)),  # type: ignore[arg-type]
