@@ -902,7 +902,20 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         return packed.unpack(results)
     # A number, not differentiated (as the row counts it usually is): detached first, so a
     # weight that requires grad does not make torch warn about the conversion.
-    value = float(weight.detach()) if isinstance(weight, torch.Tensor) else float(weight)
+    try:
+        if isinstance(weight, torch.Tensor):
+            if weight.numel() != 1 or weight.is_complex():
+                raise TypeError
+            value = float(weight.detach())
+        elif isinstance(weight, str | bytes):  # float() would read "2" as 2.0
+            raise TypeError
+        else:
+            value = float(weight)
+    except (TypeError, ValueError):
+        raise TypeError(
+            "fdp.pmean: weight must be a number (e.g. the replica's row count) or a one-element "
+            f"real tensor, got {_tree.describe(weight)}: {_tree.short_repr(weight)}"
+        ) from None
     # Finite too: an infinite weight makes every w / sum(w) inf / inf, a silent NaN result.
     if not 0 <= value < math.inf:
         raise ValueError(f"fdp.pmean: weight must be a finite non-negative number, got {weight!r}")
@@ -984,6 +997,8 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
                 [[3., 4.]]])
     """
     caller = "fdp.all_gather"
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{caller}: dim must be an int, got {type(dim).__name__}: {_tree.short_repr(dim)}")
     context = _bound(axis_name, caller)
     n = context.group.global_size
 
@@ -1048,6 +1063,8 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     try:
         # operator.index, not int: int() would truncate (0.9, 1) into a send from replica 0.
         pairs = tuple((operator.index(src), operator.index(dst)) for src, dst in perm)
+        if any(isinstance(i, bool) for pair in perm for i in pair):  # (False, True) is no pair of replicas
+            raise TypeError
     except (TypeError, ValueError):
         raise TypeError(
             f"{caller}: perm must be a sequence of (source, destination) pairs, got {perm!r}"

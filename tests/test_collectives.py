@@ -690,6 +690,42 @@ def test_finite_weights_whose_sum_overflows_are_refused_not_a_mean_of_zeros() ->
         per_row(lambda x: fdp.pmean(x, "i", weight=1e308), n=2)(rows(2))
 
 
+@pytest.mark.parametrize(
+    ("weight", "described"),
+    [
+        ("2", r"str: '2'"),  # was taken as 2.0
+        (torch.ones(2), r"float32\[2\]: tensor\(\[1., 1.\]\)"),
+        (torch.tensor(1j), r"complex64\[\]"),
+        ([2], r"list: \[2\]"),
+    ],
+)
+def test_a_weight_that_is_not_one_real_number_is_refused_naming_it(weight: object, described: str) -> None:
+    f = per_row(lambda x: fdp.pmean(x, "i", weight=weight), n=2)
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp.pmean: weight must be a number \(e.g. the replica's row count\) or "
+        r"a one-element real tensor, got " + described,
+    ):
+        f(rows(2))
+
+
+def test_weights_of_numpy_and_one_element_tensors_are_numbers() -> None:
+    import numpy as np
+
+    for weight in (np.float32(2.0), np.array(2.0), torch.tensor([2]), torch.tensor(2, dtype=torch.int64)):
+        out = per_row(lambda x, w=weight: fdp.pmean(x, "i", weight=w), n=2)(torch.tensor([[1.0], [3.0]]))
+        torch.testing.assert_close(out, torch.tensor([[2.0], [2.0]]))
+
+
+def test_all_gather_dim_and_ppermute_indices_must_be_ints() -> None:
+    with pytest.raises(TypeError, match=r"^fdp.all_gather: dim must be an int, got str: '0'\n"):
+        per_row(lambda x: fdp.all_gather(x, "i", dim="0"), n=2)(rows(2))
+    with pytest.raises(
+        TypeError, match=r"^fdp.ppermute: perm must be a sequence of \(source, destination\) pairs"
+    ):
+        per_row(lambda x: fdp.ppermute(x, "i", perm=[(False, True)]), n=2)(rows(2))
+
+
 def test_a_weight_that_requires_grad_is_taken_as_a_number_without_a_warning() -> None:
     # (warnings are errors here: torch warns when a tensor that requires grad becomes a float)
     w = torch.tensor(2.0, requires_grad=True)
