@@ -215,6 +215,13 @@ class AdamState(NamedTuple):
     exp_avg_sq: Tree
 
 
+# Checkpoints hold these states, and torch.load(weights_only=True), torch's default since 2.6,
+# rebuilds only the types it was told are safe: without this, every fdp.optim state (a named
+# tuple of ints and trees of tensors, which constructing runs no code of ours) fails to load
+# with an UnpicklingError. torch.optim's state_dict loads; so must ours.
+torch.serialization.add_safe_globals([EmptyState, SgdState, AdamState])
+
+
 Leaves = Any  # a list or tuple of tensors, as torch._foreach_* take and return them
 
 
