@@ -329,6 +329,9 @@ class Pmapped(Generic[P, R]):
                 caller=caller,
                 paths=lambda: self._paths(parts, roots),
                 all_zero=plan.all_zero,
+                # Compiled replicas keep the shared tensors themselves: dynamo reads the .grad
+                # of every tensor input, which for an alias (not a leaf) warns on each compile.
+                share=self._compiled is None,
             )
         except Exception as error:
             self._failed_before_running(error)

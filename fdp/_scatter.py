@@ -46,11 +46,14 @@ def scatter_leaves(
     caller: str,
     paths: Callable[[], list[str]],
     all_zero: bool = False,
+    share: bool = True,
 ) -> Scattered:
     """Splits mapped tensor leaves and replicates the others; one leaf list per replica.
 
     ``paths()`` gives every leaf's key path; it is only called to write an error message.
     ``all_zero`` says that every axis is 0, which allows a shorter path for all-tensor inputs.
+    ``share`` gives replicas that share a CPU tensor requiring grad aliases of it, whose
+    gradients sum in replica order (see ``_transfer.share_for_backward``).
     """
     if all_zero and leaves:
         fast = _split_all_on_cpu(leaves, devices, split)
@@ -98,6 +101,8 @@ def scatter_leaves(
         _place_resident(leaves, resident, rows, run_on, caller, paths, devices, split, None)
         shared: list[tuple[int, list[torch.Tensor]]] = []
         _place_replicated(leaves, replicated, rows, run_on, shared)
+        if share:
+            _share_for_backward(leaves, replicated, resident, rows)
         return Scattered(rows, run_on, (), shared)
     if batch is None:
         raise ValueError(
@@ -144,6 +149,8 @@ def scatter_leaves(
             ) from err
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared)
+    if share:
+        _share_for_backward(leaves, replicated, resident, rows)
     return Scattered(rows, run_on, sizes, shared)
 
 
@@ -273,6 +280,20 @@ def _place_replicated(
         for r, copy in enumerate(per_replica):
             rows[r][k] = copy
         shared.append((k, per_replica))
+
+
+def _share_for_backward(
+    leaves: Sequence[Any], replicated: list[int], resident: list[int], rows: list[list[Any]]
+) -> None:
+    """Gives the replicas that share a CPU tensor requiring grad aliases of it whose gradients
+    are summed in replica order (see ``_transfer.share_for_backward``). Only replicated tensors
+    and the copies of a prefix PerReplica (``fdp.DataParallel``'s parameters) can be shared:
+    resident state holds a copy per replica."""
+    if len(rows) < 2 or not torch.is_grad_enabled():
+        return
+    indices = replicated + [k for k in resident if leaves[k].prefix_ok]
+    if indices:
+        _transfer.share_for_backward(rows, indices)
 
 
 def _place_resident(

@@ -12,7 +12,8 @@ backward is the mirror transfer, so double backward works. Everywhere else (CPU,
 they are plain ``torch.split``/``Tensor.to``/``torch.cat``, which autograd already differentiates.
 A tensor whose target is the device it is on is never copied: replicas that share a device
 share the tensor (in a pmapped call, replicas on a worker's CUDA stream get a view of a leaf
-that requires grad: see :func:`alias_shared_leaves`).
+that requires grad: see :func:`alias_shared_leaves`; CPU replicas get aliases of a tensor that
+requires grad, whose gradients one node sums in replica order: see :func:`share_for_backward`).
 
 The transfers into and out of the replicas are issued from the caller's thread on the current
 stream of each device; the replica workers wait on those streams before they start (see
@@ -28,7 +29,15 @@ import torch
 import torch.cuda.comm
 from torch.autograd import Function
 
-__all__ = ["to_device", "split_to", "broadcast", "alias_shared_leaves", "gather_to", "reduce_add"]
+__all__ = [
+    "to_device",
+    "split_to",
+    "broadcast",
+    "alias_shared_leaves",
+    "share_for_backward",
+    "gather_to",
+    "reduce_add",
+]
 
 # Indirection so tests can exercise the autograd wiring with a CPU stand-in for torch.cuda.comm.
 _comm: Any = torch.cuda.comm
@@ -197,6 +206,88 @@ def alias_shared_leaves(rows: list[list[Any]], devices: Sequence[torch.device]) 
                     row = rows[r] = list(rows[r])  # replicas on one device share the list
                 row[i] = t.view_as(t)
     return rows
+
+
+class _Share(Function):
+    """``counts[i]`` aliases (views) of tensor ``i``, one for each replica that shares it.
+
+    Backward sums each tensor's gradients in replica order, in one node. Without it, replicas
+    that share one tensor (every CPU replica, a replicated input or ``fdp.DataParallel``'s
+    parameters) each feed the tensor's own gradient accumulator, which adds what reaches it in
+    the order the engine runs the replicas' nodes: by their sequence numbers, which each thread
+    counts for itself, so they depend on which thread ran which replica and on what it ran
+    before. Three replicas, or a tensor used twice in each, then sum in an order that changes
+    from call to call, and two identical runs (a run and its resumed twin) part in the last
+    bits, which training amplifies. ``torch.cuda.comm``'s reduction sums GPUs in device order.
+    """
+
+    @staticmethod
+    def forward(ctx, counts, *tensors):  # type: ignore[override]
+        ctx.counts = counts
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t, count in zip(tensors, counts) for _ in range(count))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        sums: list[torch.Tensor | None] = []
+        start = 0
+        for count in ctx.counts:
+            total = None
+            for g in grads[start : start + count]:
+                if g is not None:
+                    total = g if total is None else total + g
+            sums.append(total)
+            start += count
+        return (None, *sums)
+
+    @staticmethod
+    def jvp(ctx, _counts, *tangents):  # type: ignore[override]
+        # Forward mode around the call (dual inputs): each alias carries its tensor's tangent.
+        return tuple(
+            None if t is None else t.view_as(t)
+            for t, count in zip(tangents, ctx.counts)
+            for _ in range(count)
+        )
+
+
+def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
+    """Replaces, in ``rows`` (one list of leaves per replica), every CPU tensor that requires
+    grad and that several replicas got as the same object (at the given leaf ``indices``) by one
+    alias per replica, all made by one :class:`_Share` node: the tensor's gradient is then the
+    sum of the replicas' in replica order, the same on every call. Issued from the caller's
+    thread, under grad mode. (On CUDA devices, see :func:`alias_shared_leaves`.)"""
+    if len(rows) < 2 or not torch.is_grad_enabled():
+        return
+    tensors: list[torch.Tensor] = []
+    holders: list[tuple[int, list[int]]] = []  # (leaf index, replicas) of each tensor's aliases
+    everyone = list(range(len(rows)))
+    strided = torch.strided
+    for k in indices:
+        first = rows[0][k]
+        # Usually every replica holds the same tensor (CPU replicas): one test per replica.
+        if all(row[k] is first for row in rows):
+            groups = [(first, everyone)]
+        else:  # several devices: replicas on each share their device's copy
+            by_id: dict[int, tuple[Any, list[int]]] = {}
+            for r, row in enumerate(rows):
+                by_id.setdefault(id(row[k]), (row[k], []))[1].append(r)
+            groups = list(by_id.values())
+        for t, group in groups:
+            if (
+                len(group) > 1
+                and isinstance(t, torch.Tensor)
+                and t.requires_grad
+                and t.is_cpu
+                and t.layout == strided
+            ):
+                tensors.append(t)
+                holders.append((k, group))
+    if not tensors:
+        return
+    aliases = iter(_Share.apply(tuple(len(group) for _, group in holders), *tensors))
+    for k, group in holders:
+        for r in group:
+            rows[r][k] = next(aliases)
 
 
 def _broadcast_cuda(
