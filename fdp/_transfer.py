@@ -264,6 +264,10 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     strided = torch.strided
     for k in indices:
         first = rows[0][k]
+        # Most replicated leaves need no gradient (a batch of constants, parameters under
+        # torch.func.grad): one test each. (Replica 0's copy requires grad as the others do.)
+        if type(first) is not torch.Tensor and not isinstance(first, torch.Tensor) or not first.requires_grad:
+            continue
         # Usually every replica holds the same tensor (CPU replicas): one test per replica.
         if all(row[k] is first for row in rows):
             groups = [(first, everyone)]
