@@ -8,7 +8,7 @@ the plain module on ``cuda:0``; ``fdp.pmap`` with resident state and ``fdp.DataP
 ``["cuda:0"]`` and on two replicas of ``cuda:0``; ``nn.DataParallel`` on ``[0]``, on ``[0, 0]``
 (reported as unsupported, with torch's error, if this torch refuses a device twice) and on every
 GPU when there are several. Bandwidth (GB/s) of ``fdp.scatter`` and ``fdp.replicate`` against a
-plain device-to-device copy of the same bytes (host-to-device when there is one GPU).
+plain copy, each counted by the bytes it moves (see :func:`bandwidth`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 from _harness import arguments, interleaved, issue_times, table, write_json
@@ -96,21 +97,56 @@ def steps(kind: str) -> tuple[dict[str, Any], dict[str, str]]:
     return variants, unsupported
 
 
+def moved_bytes(result: Any, source: torch.Tensor) -> int:
+    """The bytes of memory that ``result``'s tensors hold apart from ``source``'s: what a
+    transfer of ``source`` moved. A tensor already on a target device is used as it is
+    (``fdp.replicate`` hands it out, ``fdp.scatter`` cuts views of it) and duplicate devices
+    share one copy, so this is counted from the result, not from the devices asked for."""
+    seen = {source.untyped_storage().data_ptr()}
+    total = 0
+    for leaf in optree.tree_leaves(result):
+        if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in seen:
+            seen.add(leaf.untyped_storage().data_ptr())
+            total += leaf.untyped_storage().nbytes()
+    return total
+
+
 def bandwidth(rounds: int) -> list[dict[str, Any]]:
+    """GB/s of the bytes each transfer moves (:func:`moved_bytes`), beside a plain copy.
+
+    With one GPU, every transfer starts from 64 MiB of pinned host memory: from ``cuda:0`` to
+    ``["cuda:0", "cuda:0"]`` nothing would move. With several, from ``cuda:0`` to every GPU:
+    scatter moves every shard but the first, replicate one copy to each other GPU (over
+    several links at once: the rate is their sum).
+    """
     source = torch.randn(64 << 20 >> 2, device="cuda")  # 64 MiB
-    gbytes = source.numel() * 4 / 1e9
-    others = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    devices = others if len(others) > 1 else ["cuda:0", "cuda:0"]
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     pinned = source.cpu().pin_memory()
-    variants = {
-        "plain copy (same bytes)": (lambda: source.to(devices[-1], copy=True))
-        if len(others) > 1
-        else (lambda: pinned.to("cuda:0", non_blocking=True)),
-        "fdp.scatter": lambda: fdp.scatter(source if len(others) > 1 else pinned, devices),
-        "fdp.replicate": lambda: fdp.replicate({"w": source}, devices),
-    }
+    if len(gpus) > 1:
+        start, devices = source, gpus
+        variants = {"plain copy cuda:0 to cuda:1": lambda: source.to(gpus[1], copy=True)}
+    else:
+        start, devices = pinned, ["cuda:0", "cuda:0"]
+        variants = {"plain copy host to cuda:0": lambda: pinned.to("cuda:0", non_blocking=True)}
+    variants["fdp.scatter"] = lambda: fdp.scatter(start, devices)
+    variants["fdp.replicate"] = lambda: fdp.replicate({"w": start}, devices)
+    # The results are right and on the devices asked for; each transfer moves bytes.
+    shards = fdp.scatter(start, devices)
+    assert [s.device for s in shards] == [torch.device(d) for d in devices]
+    assert torch.equal(torch.cat([s.cpu() for s in shards]), pinned)
+    copies = fdp.replicate({"w": start}, devices)
+    assert all(
+        c["w"].device == torch.device(d) and torch.equal(c["w"].cpu(), pinned)
+        for c, d in zip(copies, devices)
+    )
+    del shards, copies
+    moved = {name: moved_bytes(fn(), start) for name, fn in variants.items()}
+    assert all(moved.values()), f"a transfer that moves nothing times only its call: {moved}"
     times = interleaved(variants, calls=10, rounds=rounds, sync=torch.cuda.synchronize)
-    return [{"transfer": name, "GB_per_s": gbytes / seconds} for name, seconds in times.items()]
+    return [
+        {"transfer": name, "MB_moved": moved[name] / 1e6, "GB_per_s": moved[name] / 1e9 / seconds}
+        for name, seconds in times.items()
+    ]
 
 
 def main() -> None:
@@ -137,7 +173,7 @@ def main() -> None:
         rows += [{"model": kind, "variant": n, "note": why} for n, why in unsupported.items()]
     print(table(rows, ["model", "variant", "ms_per_step", "vs_plain", "host_ms_per_step", "note"]))
     transfers = bandwidth(args.rounds)
-    print(table(transfers, ["transfer", "GB_per_s"]))
+    print(table(transfers, ["transfer", "MB_moved", "GB_per_s"]))
     write_json(args.json, {"benchmark": "gpu", "steps": rows, "transfers": transfers})
 
 

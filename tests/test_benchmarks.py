@@ -106,3 +106,27 @@ def test_gpu_script_runs(tmp_path: Path) -> None:
     assert {row["variant"] for row in payload["steps"]} >= {"plain cuda:0", "fdp resident ['cuda:0']"}
     assert all(row["host_ms_per_step"] > 0 for row in payload["steps"] if "note" not in row)
     assert all(row["GB_per_s"] > 0 for row in payload["transfers"])
+
+
+def load_script(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A benchmark script as a module (its own imports of ``_harness`` found), not run."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_transfers_count_the_bytes_they_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU script's bandwidth counts what a transfer copied, read off its result: replicating
+    a tensor to the device it is on (the script's ``fdp.replicate`` row once did, on one GPU)
+    copies nothing, and neither do a scatter's views of it."""
+    import fdp
+
+    gpu = load_script("gpu", monkeypatch)
+    source = torch.randn(64, 4)
+    assert gpu.moved_bytes(fdp.replicate({"w": source}, ["cpu", "cpu"]), source) == 0
+    assert gpu.moved_bytes(fdp.scatter(source, ["cpu", "cpu"]), source) == 0
+    assert gpu.moved_bytes(source.clone(), source) == source.nbytes
+    assert gpu.moved_bytes([source, source.clone(), source.clone()], source) == 2 * source.nbytes
