@@ -4,6 +4,7 @@ machine hits all of them alike; the report is the median per variant and ratios 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -122,6 +123,42 @@ def _medians(
     finally:
         gc.unfreeze()
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+Parameters = dict[str, torch.Tensor]
+
+
+def same_parameters(
+    copies: dict[str, list[Parameters]], *, baseline: str, initial: Parameters
+) -> dict[str, float]:
+    """Each variant's largest difference from the baseline's parameters, after the same steps.
+
+    ``copies`` gives every variant's parameters by name, one dict per copy a variant keeps (each
+    replica's resident state, say). A variant faster because it computes something else (a
+    skipped update, a different loss, a gradient summed rather than averaged) fails here, before
+    its time is taken: the difference must be within float32 rounding (the variants add in
+    different orders). And the baseline must have moved from ``initial``: steps that change
+    nothing would agree too.
+    """
+    reference = {k: v.detach().cpu() for k, v in copies[baseline][0].items()}
+    if all(torch.equal(reference[k], v.detach().cpu()) for k, v in initial.items()):
+        raise AssertionError(f"{baseline}: the steps left the parameters as they were")
+    differences = {}
+    for name, each in copies.items():
+        worst = 0.0
+        for params in each:
+            assert params.keys() == reference.keys(), f"{name}: parameters {sorted(params)}"
+            for key, value in params.items():
+                value = value.detach().cpu()
+                where = functools.partial(_named, f"{name}, {key}")
+                torch.testing.assert_close(value, reference[key], msg=where)
+                worst = max(worst, (value - reference[key]).abs().max().item())
+        differences[name] = worst
+    return differences
+
+
+def _named(where: str, message: str) -> str:
+    return f"{where}: {message}"
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:

@@ -5,10 +5,13 @@
 Needs a CUDA device. Step time (ms) for one training step of an MLP and a small transformer, and
 the host's time to issue it (from the call to its return, the GPU idle before it), on:
 the plain module on ``cuda:0``; ``fdp.pmap`` with resident state and ``fdp.DataParallel`` on
-``["cuda:0"]`` and on two replicas of ``cuda:0``; ``nn.DataParallel`` on ``[0]``, on ``[0, 0]``
-(reported as unsupported, with torch's error, if this torch refuses a device twice) and on every
-GPU when there are several. Bandwidth (GB/s) of ``fdp.scatter`` and ``fdp.replicate`` against a
-plain copy, each counted by the bytes it moves (see :func:`bandwidth`).
+``["cuda:0"]``, on two replicas of ``cuda:0`` and on every GPU when there are several;
+``nn.DataParallel`` on ``[0]``, on ``[0, 0]`` (reported as unsupported, with torch's error, if
+this torch refuses a device twice) and on every GPU when there are several. Before the timing,
+two steps of every variant must leave the parameters the plain step's two leave
+(``max_param_diff``; see ``_harness.same_parameters``). Bandwidth (GB/s) of ``fdp.scatter``
+and ``fdp.replicate`` against a plain copy, each counted by the bytes it moves (see
+:func:`bandwidth`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import optree
 import torch
 import torch.nn.functional as F
-from _harness import arguments, interleaved, issue_times, table, write_json
+from _harness import arguments, interleaved, issue_times, same_parameters, table, write_json
 from torch import nn
 
 import fdp
@@ -53,16 +56,25 @@ def module_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def steps(kind: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The timed step of every variant, and the variants that failed to run (with the error)."""
+def steps(kind: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, torch.Tensor]]:
+    """The timed step of every variant, a reader of each variant's parameters (one dict per
+    copy it keeps), the variants that failed to run (with the error), and the initial
+    parameters."""
     model, x, y = make(kind)
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     variants: dict[str, Any] = {}
+    readers: dict[str, Any] = {}
     unsupported: dict[str, str] = {}
 
-    variants["plain cuda:0"] = module_step(copy.deepcopy(model), x, y)
+    def module_params(module: nn.Module) -> Callable[[], list[dict[str, torch.Tensor]]]:
+        return lambda: [dict(module.named_parameters())]
+
+    plain = copy.deepcopy(model)
+    variants["plain cuda:0"], readers["plain cuda:0"] = module_step(plain, x, y), module_params(plain)
 
     opt = optim.sgd(0.01)
-    for devices in (["cuda:0"], ["cuda:0", "cuda:0"]):
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    for devices in (["cuda:0"], ["cuda:0", "cuda:0"], *([gpus] if len(gpus) > 1 else [])):
         params = {k: v.detach() for k, v in model.named_parameters()}
 
         @fdp.pmap(axis_name="b", devices=devices, split="balanced", out_axes=fdp.PER_REPLICA)
@@ -79,22 +91,41 @@ def steps(kind: str) -> tuple[dict[str, Any], dict[str, str]]:
         def resident(step: Any = step, box: dict[str, Any] = box) -> None:
             box["state"] = step(box["state"], x, y)
 
-        variants[f"fdp resident {devices}"] = resident
+        def resident_params(
+            box: dict[str, Any] = box, n: int = len(devices)
+        ) -> list[dict[str, torch.Tensor]]:
+            return [{k: v[r] for k, v in box["state"]["params"].items()} for r in range(n)]
+
+        variants[f"fdp resident {devices}"], readers[f"fdp resident {devices}"] = resident, resident_params
 
         wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=devices)
         variants[f"fdp.DataParallel {devices}"] = module_step(wrapped, x, y)
+        readers[f"fdp.DataParallel {devices}"] = module_params(wrapped.module)
 
-    several = [list(range(torch.cuda.device_count()))] if torch.cuda.device_count() > 1 else []
-    for ids in ([0], [0, 0], *several):
-        legacy = module_step(nn.DataParallel(copy.deepcopy(model), device_ids=ids), x, y)
-        try:
-            legacy()
+    for ids in ([0], [0, 0], *([list(range(len(gpus)))] if len(gpus) > 1 else [])):
+        try:  # on a copy of its own: the timed variant starts at the same step as the others
+            module_step(nn.DataParallel(copy.deepcopy(model), device_ids=ids), x, y)()
             torch.cuda.synchronize()
         except Exception as err:  # noqa: BLE001 - reported in the table instead of timed
             unsupported[f"nn.DataParallel {ids}"] = f"{type(err).__name__}: {err}".splitlines()[0]
             continue
-        variants[f"nn.DataParallel {ids}"] = legacy
-    return variants, unsupported
+        legacy = nn.DataParallel(copy.deepcopy(model), device_ids=ids)
+        variants[f"nn.DataParallel {ids}"] = module_step(legacy, x, y)
+        readers[f"nn.DataParallel {ids}"] = module_params(legacy.module)
+    return variants, readers, unsupported, initial
+
+
+def check(
+    variants: dict[str, Any], readers: dict[str, Any], initial: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Two steps of every variant, then the same parameters in every copy of every variant."""
+    for fn in variants.values():
+        for _ in range(2):
+            fn()
+    torch.cuda.synchronize()
+    return same_parameters(
+        {n: read() for n, read in readers.items()}, baseline="plain cuda:0", initial=initial
+    )
 
 
 def moved_bytes(result: Any, source: torch.Tensor) -> int:
@@ -122,6 +153,7 @@ def bandwidth(rounds: int) -> list[dict[str, Any]]:
     source = torch.randn(64 << 20 >> 2, device="cuda")  # 64 MiB
     gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     pinned = source.cpu().pin_memory()
+    variants: dict[str, Callable[[], Any]]
     if len(gpus) > 1:
         start, devices = source, gpus
         variants = {"plain copy cuda:0 to cuda:1": lambda: source.to(gpus[1], copy=True)}
@@ -156,7 +188,8 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")
     rows = []
     for kind in ("mlp", "transformer"):
-        variants, unsupported = steps(kind)
+        variants, readers, unsupported, initial = steps(kind)
+        differences = check(variants, readers, initial)
         times = interleaved(variants, calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
         issued = issue_times(variants, calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
         base = times["plain cuda:0"]
@@ -167,11 +200,17 @@ def main() -> None:
                 "ms_per_step": t * 1e3,
                 "vs_plain": t / base,
                 "host_ms_per_step": issued[n] * 1e3,
+                "max_param_diff": differences[n],
             }
             for n, t in times.items()
         ]
         rows += [{"model": kind, "variant": n, "note": why} for n, why in unsupported.items()]
-    print(table(rows, ["model", "variant", "ms_per_step", "vs_plain", "host_ms_per_step", "note"]))
+    print(
+        table(
+            rows,
+            ["model", "variant", "ms_per_step", "vs_plain", "host_ms_per_step", "max_param_diff", "note"],
+        )
+    )
     transfers = bandwidth(args.rounds)
     print(table(transfers, ["transfer", "MB_moved", "GB_per_s"]))
     write_json(args.json, {"benchmark": "gpu", "steps": rows, "transfers": transfers})

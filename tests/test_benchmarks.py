@@ -130,3 +130,25 @@ def test_gpu_transfers_count_the_bytes_they_move(monkeypatch: pytest.MonkeyPatch
     assert gpu.moved_bytes(fdp.scatter(source, ["cpu", "cpu"]), source) == 0
     assert gpu.moved_bytes(source.clone(), source) == source.nbytes
     assert gpu.moved_bytes([source, source.clone(), source.clone()], source) == 2 * source.nbytes
+
+
+def test_same_parameters_refuses_a_variant_that_computes_something_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check every benchmark runs before timing: all copies of all variants match the
+    baseline's parameters after the same steps; a gradient summed over 2 replicas instead of
+    averaged (twice the step) fails, and so do steps that left the parameters as they were."""
+    harness = load_script("_harness", monkeypatch)
+    initial = {"w": torch.zeros(3)}
+    step = {"w": torch.full((3,), -0.1)}
+    close = {"w": step["w"] + 1e-8}
+    differences = harness.same_parameters(
+        {"plain": [step], "fdp": [close, step]}, baseline="plain", initial=initial
+    )
+    assert differences["plain"] == 0 and 0 < differences["fdp"] < 1e-7
+    with pytest.raises(AssertionError, match="summed, w"):
+        harness.same_parameters(
+            {"plain": [step], "summed": [step, {"w": 2 * step["w"]}]}, baseline="plain", initial=initial
+        )
+    with pytest.raises(AssertionError, match="left the parameters as they were"):
+        harness.same_parameters({"plain": [initial], "fdp": [initial]}, baseline="plain", initial=initial)
