@@ -50,8 +50,16 @@ def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
 def test_training_measures_fdp_beside_ddp(tmp_path: Path) -> None:
     payload = run_script("training", "--model", "mlp", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
     variants = {row["variant"] for row in payload["rows"]}
-    assert {"single", "fdp resident (2 cpu)", "fdp DataParallel (2 cpu)", "DDP gloo (2 procs)"} <= variants
+    assert {
+        "single",
+        "fdp resident (2 cpu)",
+        "fdp DataParallel (2 cpu)",
+        "DDP gloo (2 procs)",
+        "DDP gloo, tuned (2 procs)",
+    } <= variants
     assert all(row["samples_per_s"] > 0 and row["first_3_steps_s"] > 0 for row in payload["rows"])
+    # The variants took the same steps: DDP's processes and fdp's replicas included.
+    assert all(row["max_param_diff"] < 1e-5 for row in payload["rows"])
 
 
 def test_soak_reports_before_and_after(tmp_path: Path) -> None:
