@@ -4,7 +4,8 @@
 
 Three inputs: one tensor into a trivial function; nested dicts of 100 and of 1000 tensors. For
 the nested inputs, the reference is the bare per-leaf work any implementation must do on 2
-replicas: ``chunk`` every leaf and ``cat`` the pieces back (on one thread, with no function).
+replicas: ``chunk`` every leaf and ``cat`` the pieces back (on one thread, with no function);
+a stricter one cuts with ``split_with_sizes`` as fdp does, the sizes known beforehand.
 For the one tensor, two more rows: 2 replicas with the caller never running replicas itself
 (every replica but the first handed to a worker thread, the cost of the hand-offs), and the
 start and join of one thread, which ``nn.DataParallel`` pays per extra replica per call.
@@ -16,6 +17,9 @@ as a training loop runs it, without and with a ``pmean`` of the gradients; and i
 training step (forward, ``backward()``, ``torch.optim.SGD``) on the plain module and through
 ``fdp.DataParallel`` on one CPU device. ``nn.DataParallel`` has no row of its own: without CUDA
 (or with one device) it calls the module directly, which is the plain row.
+
+Before the timing, every variant must compute what the direct call does: the whole input back,
+the same gradients, and after 3 training steps the same parameters (``_harness.same_parameters``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import copy
 import threading
 from typing import Any
 
+import optree
 import torch
-from _harness import arguments, interleaved, table, write_json
+from _harness import Parameters, arguments, interleaved, same_parameters, table, write_json
 
 import fdp
 from fdp import _pool, optim
@@ -38,6 +43,28 @@ def nested(leaves: int) -> dict[str, Any]:
 def bare_chunk_cat(tree: dict[str, Any]) -> dict[str, Any]:
     pieces = {g: {k: t.chunk(2) for k, t in d.items()} for g, d in tree.items()}
     return {g: {k: torch.cat(p) for k, p in d.items()} for g, d in pieces.items()}
+
+
+def bare_split_cat(tree: dict[str, Any]) -> dict[str, Any]:
+    """As :func:`bare_chunk_cat`, with the cheaper cut fdp itself makes (``split_with_sizes``,
+    the sizes known beforehand): the stricter reference."""
+    pieces = {g: {k: t.split_with_sizes([4, 4]) for k, t in d.items()} for g, d in tree.items()}
+    return {g: {k: torch.cat(p) for k, p in d.items()} for g, d in pieces.items()}
+
+
+def same_tree(result: Any, expected: Any) -> None:
+    assert optree.tree_structure(result) == optree.tree_structure(expected)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(result), optree.tree_leaves(expected)))
+
+
+def checked(variants: dict[str, Any], read: dict[str, Any], initial: Parameters) -> dict[str, Any]:
+    """``variants`` after 3 steps of each, once every variant's parameters match the direct
+    call's (``_harness.same_parameters``): none is timed doing less work."""
+    for fn in variants.values():
+        for _ in range(3):
+            fn()
+    same_parameters({name: fn() for name, fn in read.items()}, baseline="direct", initial=initial)
+    return variants
 
 
 def on_workers(mapped: Any, value: Any) -> Any:
@@ -93,6 +120,8 @@ def training_step_rows(rounds: int) -> list[dict[str, Any]]:
         return torch.autograd.grad(model(x).square().mean(), params)
 
     mapped = fdp.pmap(step, devices=["cpu"], out_axes=None)
+    for got, expected in zip(mapped(x), step(x)):
+        torch.testing.assert_close(got, expected)
     return against_direct("~1 ms step", {"direct": lambda: step(x), "1 replicas": lambda: mapped(x)}, rounds)
 
 
@@ -138,7 +167,12 @@ def resident_step_rows(rounds: int) -> list[dict[str, Any]]:
         "1 replicas": resident(update, "resident"),
         "1 replicas, pmean": resident(pmeaned, "pmean", axis_name="b"),
     }
-    return against_direct("~1 ms resident step", variants, rounds)
+    read = {
+        "direct": lambda: [boxes["plain"]["params"]],
+        "1 replicas": lambda: [{k: v[0] for k, v in boxes["resident"]["params"].items()}],
+        "1 replicas, pmean": lambda: [{k: v[0] for k, v in boxes["pmean"]["params"].items()}],
+    }
+    return against_direct("~1 ms resident step", checked(variants, read, params), rounds)
 
 
 def data_parallel_rows(rounds: int) -> list[dict[str, Any]]:
@@ -156,11 +190,15 @@ def data_parallel_rows(rounds: int) -> list[dict[str, Any]]:
 
         return run
 
-    variants = {
-        "direct": module_step(copy.deepcopy(model)),
-        "fdp.DataParallel (1 cpu)": module_step(fdp.DataParallel(copy.deepcopy(model), device_ids=["cpu"])),
+    plain = copy.deepcopy(model)
+    wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=["cpu"])
+    variants = {"direct": module_step(plain), "fdp.DataParallel (1 cpu)": module_step(wrapped)}
+    read = {
+        "direct": lambda: [dict(plain.named_parameters())],
+        "fdp.DataParallel (1 cpu)": lambda: [dict(wrapped.module.named_parameters())],
     }
-    return against_direct("~1 ms module step", variants, rounds)
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return against_direct("~1 ms module step", checked(variants, read, initial), rounds)
 
 
 def main() -> None:
@@ -180,9 +218,13 @@ def main() -> None:
             variants[f"{n} replicas"] = lambda v=value, m=mapped: m(v)
         if isinstance(value, dict):
             variants["bare chunk+cat (2)"] = lambda v=value: bare_chunk_cat(v)
+            variants["bare split+cat (2)"] = lambda v=value: bare_split_cat(v)
         else:
             mapped = fdp.pmap(identity, devices=["cpu"] * 2)
             variants["2 replicas, on workers"] = lambda v=value, m=mapped: on_workers(m, v)
+        for fn in variants.values():  # each gives the whole input back
+            same_tree(fn(), value)
+        if not isinstance(value, dict):
             variants["thread start+join"] = lambda v=value: thread_start_join(identity, v)
         times = interleaved(variants, calls=calls, rounds=args.rounds)
         for name, seconds in times.items():
@@ -190,12 +232,24 @@ def main() -> None:
             row["over_direct_us"] = (seconds - times["direct"]) * 1e6
             if "bare chunk+cat (2)" in times and name == "2 replicas":
                 row["ratio_to_bare"] = seconds / times["bare chunk+cat (2)"]
+                row["ratio_to_bare_split"] = seconds / times["bare split+cat (2)"]
             rows.append(row)
     rows += training_step_rows(args.rounds)
     rows += resident_step_rows(args.rounds)
     rows += data_parallel_rows(args.rounds)
     print(
-        table(rows, ["input", "variant", "us_per_call", "over_direct_us", "ratio_to_bare", "ratio_to_direct"])
+        table(
+            rows,
+            [
+                "input",
+                "variant",
+                "us_per_call",
+                "over_direct_us",
+                "ratio_to_bare",
+                "ratio_to_bare_split",
+                "ratio_to_direct",
+            ],
+        )
     )
     write_json(args.json, {"benchmark": "dispatch", "rows": rows})
 

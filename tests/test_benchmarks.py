@@ -41,6 +41,12 @@ def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
     for given in ("1 tensor", "100 leaves", "1000 leaves"):
         assert {(given, f"{n} replicas") for n in (1, 2, 4)} <= measured
     assert ("1000 leaves", "bare chunk+cat (2)") in measured
+    assert ("1000 leaves", "bare split+cat (2)") in measured
+    assert all(
+        "ratio_to_bare_split" in row
+        for row in rows
+        if row["variant"] == "2 replicas" and "leaves" in row["input"]
+    )
     assert ("~1 ms step", "1 replicas") in measured
     assert ("~1 ms resident step", "1 replicas") in measured
     assert ("~1 ms module step", "fdp.DataParallel (1 cpu)") in measured
