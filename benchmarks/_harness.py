@@ -1,5 +1,6 @@
-"""Interleaved timing: every variant is measured in every round, so drift on a shared, noisy
-machine hits all of them alike; the report is the median per variant and ratios to a baseline."""
+"""Interleaved timing: every variant is measured in every round, in an order that rotates, so
+drift on a shared, noisy machine hits all of them alike; the report is the median per variant and
+ratios to a baseline."""
 
 from __future__ import annotations
 
@@ -112,14 +113,21 @@ def _medians(
 ) -> dict[str, float]:
     """The median of the samples ``measure(fn)`` takes of each variant, over ``rounds`` rounds
     that each measure every variant in turn, with the objects that exist frozen (see
-    :func:`interleaved`)."""
+    :func:`interleaved`).
+
+    The order rotates every round, as in ``training.py``: the first variant of a round runs
+    after the last one of the round before, with what that one left in the caches and its
+    threads still spinning; in a fixed order the baseline (first) would always pay that, and
+    each other variant always follow the same one.
+    """
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     gc.collect()
     gc.freeze()
     try:
-        for _ in range(rounds):
-            for name, fn in variants.items():
-                samples[name] += measure(fn)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                samples[name] += measure(variants[name])
     finally:
         gc.unfreeze()
     return {name: statistics.median(values) for name, values in samples.items()}
