@@ -1,6 +1,6 @@
-"""Interleaved timing: every variant is measured in every round, in an order that rotates, so
-drift on a shared, noisy machine hits all of them alike; the report is the median per variant and
-ratios to a baseline."""
+"""Interleaved timing: every variant is measured in every round, in a shuffled order, so drift on
+a shared, noisy machine hits all of them alike; the report is the median per variant and ratios
+to a baseline."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import functools
 import gc
 import json
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -108,6 +109,18 @@ def issue_times(
     return medians
 
 
+def orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of the variants in each round: a new shuffle every round, the same every run.
+
+    A variant runs after whatever the one before it left: its data in the caches, its threads
+    still spinning (OpenMP's after a parallel region, gloo's after a step). In a fixed order
+    every variant would always follow the same one, and so would it if the order only rotated
+    (the same neighbours, cut at another place); shuffled, each follows every other in turn.
+    """
+    shuffle = random.Random(0)
+    return [shuffle.sample(names, len(names)) for _ in range(rounds)]
+
+
 def _medians(
     variants: dict[str, Callable[[], Any]], rounds: int, measure: Callable[[Callable[[], Any]], list[float]]
 ) -> dict[str, float]:
@@ -115,18 +128,14 @@ def _medians(
     that each measure every variant in turn, with the objects that exist frozen (see
     :func:`interleaved`).
 
-    The order rotates every round, as in ``training.py``: the first variant of a round runs
-    after the last one of the round before, with what that one left in the caches and its
-    threads still spinning; in a fixed order the baseline (first) would always pay that, and
-    each other variant always follow the same one.
+    The order is shuffled every round (see :func:`orders`).
     """
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
     gc.collect()
     gc.freeze()
     try:
-        for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+        for order in orders(list(variants), rounds):
+            for name in order:
                 samples[name] += measure(variants[name])
     finally:
         gc.unfreeze()

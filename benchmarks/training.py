@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _harness import arguments, same_parameters, table, write_json
+from _harness import arguments, orders, same_parameters, table, write_json
 from torch import nn
 
 import fdp
@@ -246,11 +246,8 @@ def measure(kind: str, rounds: int, steps: int, *, compiled: bool = False) -> li
         differences = same_parameters(copies, baseline="single", initial=initial(kind))
         names = [*variants, *ddps]
         samples: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(rounds):
-            # The order rotates every round: a variant's threads (OpenMP's spin after a parallel
-            # region, gloo's after a step) slow whichever variant follows it for a while, and a
-            # fixed order would always hand that cost to the same one.
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+        for order in orders(names, rounds):  # shuffled: see _harness.orders
+            for name in order:
                 if name in ddps:
                     samples[name].append(steps * BATCH / ddps[name].run(steps))
                     continue

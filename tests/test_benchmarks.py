@@ -100,8 +100,10 @@ def test_issue_times_time_each_call_alone_after_a_sync() -> None:
     assert times["slow"] >= 0.002
     assert times["fast"] < 0.01  # the sync's 10 ms are not counted (sleep(0) returns at once)
     calls = [entry for entry in log if entry != "sync"]
-    # Interleaved rounds, in an order that rotates: neither always runs first.
-    assert calls == ["slow"] * 2 + ["fast"] * 2 + ["fast"] * 2 + ["slow"] * 2 + ["slow"] * 2 + ["fast"] * 2
+    # Interleaved rounds, in the harness's order: each round measures each variant once.
+    assert calls == [
+        name for order in harness.orders(["slow", "fast"], 3) for name in order for _ in range(2)
+    ]
     assert all(log[i - 1] == "sync" for i, entry in enumerate(log) if entry != "sync")
     assert log[-1] == "sync"
 
@@ -167,3 +169,17 @@ def test_same_parameters_refuses_a_variant_that_computes_something_else(
         )
     with pytest.raises(AssertionError, match="left the parameters as they were"):
         harness.same_parameters({"plain": [initial], "fdp": [initial]}, baseline="plain", initial=initial)
+
+
+def test_rounds_put_every_variant_after_every_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant runs after what the one before it left (its data in the caches, its threads
+    spinning). In a fixed order, or one that only rotates, each always follows the same
+    neighbours; the harness's rounds put each after every other, in the same order every run."""
+    harness = load_script("_harness", monkeypatch)
+    names = ["a", "b", "c", "d"]
+    rounds = harness.orders(names, 40)
+    assert all(sorted(order) == names for order in rounds)
+    assert rounds == harness.orders(names, 40)
+    sequence = [name for order in rounds for name in order]
+    followed = {(before, after) for before, after in zip(sequence, sequence[1:]) if before != after}
+    assert followed == {(x, y) for x in names for y in names if x != y}
