@@ -91,13 +91,15 @@ def ddp_worker(rank: int, kind: str, store_path: str, conn: Any, compiled: bool,
             torch.save({k: v.detach() for k, v in ddp.module.named_parameters()}, buffer)
             conn.send(buffer.getvalue())
             continue
-        dist.barrier()
+        dist.barrier()  # both start together
         start = time.perf_counter()
         for _ in range(steps):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-        dist.barrier()
+        # No barrier at the end: the last step's all-reduce already waits for the other rank,
+        # and the parent takes the longer of the two times; a barrier would add a round trip
+        # of gloo that fdp's steps have no counterpart of.
         conn.send(time.perf_counter() - start)
     dist.destroy_process_group()
 
