@@ -9,17 +9,25 @@ tensors. The swap then happens in the skeleton, privately.
 Skeletons are cached per module in a small free list (one per concurrent caller, so one per
 replica under ``fdp.pmap``) and refreshed from the original on every checkout: changes made to
 the module between calls (``model.eval()``, a new attribute, a replaced submodule) are always
-seen. Hooks and other attribute values are shared with the original, as in ``nn.DataParallel``;
-attributes that ``forward`` assigns on ``self`` land on the skeleton and are dropped. A
+seen. Hooks and other attribute values are shared with the original, as in ``nn.DataParallel``,
+but for those that would run or reach a module of the tree itself, the original, with its own
+tensors: a bound method of one (``self.act = self._impl``), a ``functools.partial`` or a closure
+that holds one, a module of the tree held as a plain attribute, and lists, tuples and dicts of
+these. Each skeleton copy gets its own, bound to (or holding) the copies instead (see
+:func:`_rebound`). Attributes that ``forward`` assigns on ``self`` land on the skeleton and are
+dropped. A
 skeleton that something made during the call still holds (activation checkpointing's graph,
 which calls ``forward`` again in backward) is left to it, never reused (see ``_release``).
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import operator
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Mapping, Sequence
 from itertools import chain
@@ -87,10 +95,19 @@ class _Skeleton:
         self._layout: tuple[list[Any], ...] | None = None
         # Where each name given to _swap_in lives under by_path: (module copy, leaf name).
         self.owners: dict[str, tuple[nn.Module, str]] = {}
+        # What the copies' attributes were last found to be (see _watch_attributes).
+        self._watch: _Watch | None = None
+        # The values made for the copies' attributes in the last refresh (see _rebound).
+        self._made: list[Any] = []
 
     def references(self) -> list[int]:
         """How many references each copy has: more after a call than before it means that
-        something made during the call holds a copy (see :func:`_release`)."""
+        something made during the call holds a copy (see :func:`_release`). So do the values
+        made for the copies' attributes that reach them (a bound method of a copy, a partial
+        of one), which can be held without a new reference to the copy (a checkpoint of
+        ``self.act``, a partial of a method of the module, holds the partial)."""
+        if self._made:
+            return list(map(sys.getrefcount, chain(self._copy_list, self._made)))
         return list(map(sys.getrefcount, self._copy_list))
 
     def clear(self, *, released: bool = False) -> None:
@@ -98,6 +115,7 @@ class _Skeleton:
         then raises an ``AttributeError`` that says why (see :class:`_Released`)."""
         for copy in self._copy_list:
             object.__setattr__(copy, "__dict__", {"_parameters": _Released()} if released else {})
+        self._made = []
 
     def refresh(self) -> bool:
         """Copies the originals' current state in; False if the module tree changed shape.
@@ -111,9 +129,12 @@ class _Skeleton:
         copies = self._copies
         children_met: list[dict[str, Any]] = []  # the originals' children dicts, in order
         tensors_met: list[dict[str, Any]] = []  # their parameter and buffer dicts, in order
+        states: list[dict[str, Any]] = []  # the copies' new attribute dicts, in order
+        made: list[Any] = []  # the values made for them that reach the copies (see references)
         for ref, copy in self._pairs:
             original = ref()
             if original is None:
+                states.append({})  # (its copy is in no walk; the attribute check starts over)
                 continue  # removed from the tree and collected
             if type(original) is not type(copy):
                 return False  # its class was changed (module.__class__ = ...): built anew
@@ -131,9 +152,23 @@ class _Skeleton:
                     return False  # added since the build (or a new module with a dead one's id)
                 modules[name] = pair[1]
             object.__setattr__(copy, "__dict__", state)
+            states.append(state)
             if direct:
                 children_met.append(children)
                 tensors_met += (parameters, buffers)
+        # Attributes that would reach the originals (a bound method of a module of the tree,
+        # say) get values of their own that reach the copies. Looking at every attribute of
+        # every module costs as much again as the rest of this method: what was found is
+        # kept, with the attributes' values where they can be kept (not the modules' own), and
+        # compared in C; only modules with other values are looked at again on every call.
+        watch = self._watch
+        if watch is None or list(map(len, states)) != watch.lengths or not _same_values(watch, states):
+            self._watch = _watch_attributes(states, copies, self.names, made)
+        else:
+            for index in watch.again:
+                if _rebind_attributes(states[index], copies, self.names[index], made)[1] is not None:
+                    self._watch = None  # its values can be kept now: worked out again next time
+        self._made = made
         if direct:
             # Everything by_path depends on, as names and ids (of live originals, checked
             # above; ids keep nothing alive, and an idle skeleton must hold nothing). Equal to
@@ -194,6 +229,250 @@ class _Skeleton:
                 for name, _, _ in places:
                     tied[name] = tie
         return by_path, tied
+
+
+# nn.Module's own attributes (its hook dicts, its parameter, buffer and submodule dicts,
+# ``training``): every other entry of a module's ``__dict__`` is its class's or its user's.
+_MODULE_KEYS = frozenset(nn.Module().__dict__)
+
+# Values that reach no module, which a skeleton may keep to compare with (see _Watch).
+_INERT = frozenset(
+    {int, float, bool, complex, str, bytes, type(None), range, torch.dtype, torch.device, torch.layout}
+    | {torch.memory_format, torch.Size, torch.finfo, torch.iinfo}
+)
+
+# How deep _rebound looks into lists, tuples, dicts and partials within partials.
+_DEPTH = 8
+
+
+class _Unkept:
+    """The stand-in, in a :class:`_Watch` snapshot, for a value that cannot be kept."""
+
+
+_UNKEPT = _Unkept()
+
+
+class _Watch:
+    """What :func:`_watch_attributes` found about the attributes of a tree's modules (their
+    ``__dict__`` entries other than nn.Module's own), in the order of the skeleton's copies.
+
+    Where all of a module's attributes are inert (numbers, strings, tuples and lists of them,
+    plain functions...), ``getters[i]`` takes them out of its ``__dict__`` and ``snapshots[i]``
+    is what it took, lists and dicts copied: equal to it on a later call (with ``lengths``),
+    nothing has changed, so nothing needs looking at. The others (a bound method, a tensor,
+    any object that could refer to a module) cannot be kept by an idle skeleton, which must
+    keep nothing alive: those modules, ``again``, are looked at on every call.
+    """
+
+    __slots__ = ("again", "getters", "lengths", "snapshots")
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self.getters: list[Any] = []
+        self.snapshots: list[Any] = []
+        self.again: list[int] = []
+
+
+def _same_values(watch: _Watch, states: list[dict[str, Any]]) -> bool:
+    """Whether the modules' kept attributes are as :func:`_watch_attributes` found them."""
+    try:
+        return list(map(operator.call, watch.getters, states)) == watch.snapshots
+    except Exception:  # a key deleted and another added, or a value whose == raises
+        return False
+
+
+def _watch_attributes(
+    states: list[dict[str, Any]], copies: dict[int, Any], names: list[str], made: list[Any]
+) -> _Watch:
+    """Looks at every module's attributes: rebinds those that need it (see
+    :func:`_rebind_attributes`), and notes how to tell cheaply that they did not change."""
+    watch = _Watch()
+    for index, state in enumerate(states):
+        keys, snapshot = _rebind_attributes(state, copies, names[index], made)
+        watch.lengths.append(len(state))
+        if snapshot is None or not keys:
+            watch.getters.append(len)  # (its length, compared anyway, stands in)
+            watch.snapshots.append(len(state))
+            if snapshot is None:
+                watch.again.append(index)
+        else:
+            # (itemgetter of one key gives the value, not a tuple: asked twice, it gives a tuple.)
+            watch.getters.append(
+                operator.itemgetter(*keys) if len(keys) > 1 else operator.itemgetter(keys[0], keys[0])
+            )
+            watch.snapshots.append(tuple(snapshot) if len(keys) > 1 else (snapshot[0], snapshot[0]))
+    return watch
+
+
+def _rebind_attributes(
+    state: dict[str, Any], copies: dict[int, Any], name: str, made: list[Any]
+) -> tuple[list[str], list[Any] | None]:
+    """Replaces, in ``state`` (a copy's ``__dict__``), each attribute that reaches a module of
+    the tree with one that reaches its copy (see :func:`_rebound`). Returns the names of the
+    attributes and, if all of them can be kept, what to compare them with later."""
+    keys = []
+    snapshot: list[Any] | None = []
+    seen: dict[int, tuple[Any, Any]] = {}  # (see _rebound)
+    for key, value in state.items():
+        if key in _MODULE_KEYS:
+            continue
+        keys.append(key)
+        new, kept = _rebound(value, copies, name, key, _DEPTH, made, seen)
+        if new is not value:
+            state[key] = new
+        if kept is _UNKEPT:
+            snapshot = None
+        elif snapshot is not None:
+            snapshot.append(kept)
+    return keys, snapshot
+
+
+def _rebound(
+    value: Any,
+    copies: dict[int, Any],
+    name: str,
+    path: str,
+    depth: int,
+    made: list[Any],
+    seen: dict[int, tuple[Any, Any]],
+) -> tuple[Any, Any]:
+    """``value``, or a new one that reaches the skeleton's copies where ``value`` reaches the
+    modules of the tree (which would run the original module, on its own tensors, where
+    torch.func.functional_call, which swaps into the module itself, runs on the given ones),
+    and what a snapshot of it compares equal to while it does not change (``_UNKEPT`` where
+    it may not be kept: it could refer to a module, or is a tensor).
+
+    Rebound: a module of the tree held as a plain attribute, a bound method of one (as
+    ``types.MethodType(method.__func__, copy)``), a ``functools.partial`` whose function or
+    arguments are rebound, a function whose closure holds one (a new function, with new
+    cells for those: a ``nonlocal`` assignment to them in the call is dropped, as attributes
+    assigned on the copy are), and lists, tuples and dicts of these (a copy, in the skeleton,
+    with those items rebound: items the call appends to it are dropped). The same kinds of
+    container of other types (``OrderedDict``, a namedtuple, a subclass of ``partial``) that
+    hold one are refused, rather than rebuilt wrongly.
+    """
+    kind = type(value)
+    if kind in _INERT or kind is types.FunctionType and value.__closure__ is None:
+        return value, value
+    if kind is types.BuiltinFunctionType and isinstance(value.__self__, (types.ModuleType, type(None))):
+        return value, value  # torch.relu, len: no object of the user's behind it
+    if kind is types.MethodType:
+        pair = copies.get(id(value.__self__))
+        if pair is not None and pair[0]() is value.__self__:
+            method = types.MethodType(value.__func__, pair[1])
+            made.append(method)
+            return method, _UNKEPT
+        return value, _UNKEPT
+    if isinstance(value, nn.Module):
+        pair = copies.get(id(value))
+        return (pair[1] if pair is not None and pair[0]() is value else value), _UNKEPT
+    if isinstance(value, (type, enum.Enum)):
+        return value, value
+    if depth == 0:
+        return value, _UNKEPT
+    # What was found for each container met: one met again (a list inside itself, or shared
+    # by several) is looked into once, not once per way to it (exponentially many).
+    found = seen.get(id(value))
+    if found is not None:
+        return found
+    seen[id(value)] = (value, _UNKEPT)  # (met again inside itself: left as it is)
+    found = seen[id(value)] = _rebuilt(value, kind, copies, name, path, depth - 1, made, seen)
+    return found
+
+
+def _rebuilt(
+    value: Any,
+    kind: type,
+    copies: dict[int, Any],
+    name: str,
+    path: str,
+    depth: int,
+    made: list[Any],
+    seen: dict[int, tuple[Any, Any]],
+) -> tuple[Any, Any]:
+    """:func:`_rebound` for a container, a partial or a closure: what it holds, rebound."""
+    if kind is list or kind is tuple:
+        items = [
+            _rebound(item, copies, name, f"{path}[{i}]", depth, made, seen) for i, item in enumerate(value)
+        ]
+        changed = any(new is not item for (new, _), item in zip(items, value))
+        new_value = kind(new for new, _ in items) if changed else value
+        if changed:
+            made.append(new_value)
+        kept = [kept for _, kept in items]
+        return new_value, (_UNKEPT if any(k is _UNKEPT for k in kept) else kind(kept))
+    if kind is dict:
+        entries = {
+            key: _rebound(item, copies, name, f"{path}[{key!r}]", depth, made, seen)
+            for key, item in value.items()
+        }
+        changed = any(entries[key][0] is not item for key, item in value.items())
+        new_value = {key: new for key, (new, _) in entries.items()} if changed else value
+        if changed:
+            made.append(new_value)
+        unkept = any(kept is _UNKEPT for _, kept in entries.values())
+        return new_value, (_UNKEPT if unkept else {key: kept for key, (_, kept) in entries.items()})
+    if kind is functools.partial:
+        func = _rebound(value.func, copies, name, f"{path}.func", depth, made, seen)[0]
+        args = _rebound(value.args, copies, name, f"{path}.args", depth, made, seen)[0]
+        keywords = _rebound(value.keywords, copies, name, f"{path}.keywords", depth, made, seen)[0]
+        if func is value.func and args is value.args and keywords is value.keywords:
+            return value, _UNKEPT
+        new = functools.partial(func, *args, **keywords)
+        new.__dict__.update(value.__dict__)
+        made.append(new)
+        return new, _UNKEPT
+    if kind is types.FunctionType:
+        cells = value.__closure__
+        contents = [_cell_contents(cell) for cell in cells]
+        rebound = [
+            content
+            if content is _UNKEPT
+            else _rebound(content, copies, name, f"{path}.{var}", depth, made, seen)[0]
+            for var, content in zip(value.__code__.co_freevars, contents)
+        ]
+        if all(new is old for new, old in zip(rebound, contents)):
+            return value, _UNKEPT
+        closure = tuple(
+            cell if new is old else types.CellType(new) for cell, new, old in zip(cells, rebound, contents)
+        )
+        function = types.FunctionType(
+            value.__code__, value.__globals__, value.__name__, value.__defaults__, closure
+        )
+        function.__kwdefaults__ = value.__kwdefaults__
+        function.__qualname__ = value.__qualname__
+        function.__dict__.update(value.__dict__)
+        made.append(function)
+        return function, _UNKEPT
+    if isinstance(value, (list, tuple, dict, functools.partial)):
+        inside = (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if not isinstance(value, functools.partial)
+            else (value.func, *value.args, *value.keywords.values())
+        )
+        for item in inside:
+            if _rebound(item, copies, name, path, depth, [], seen)[0] is not item:
+                where = f"{name}.{path}" if name else path
+                raise TypeError(
+                    f"fdp.functional_call: module.{where} holds a module of the tree, or a bound "
+                    "method, functools.partial or closure of one, inside an object of type "
+                    f"{kind.__module__}.{kind.__qualname__}. Called on fdp's private copy of the "
+                    "module, it would run the original module, on the module's own tensors instead "
+                    "of the given ones; fdp.functional_call gives the copy one bound to the copy "
+                    "only inside a plain list, tuple, dict or functools.partial, which it can "
+                    "rebuild. Hold it in one of these, or call the method in forward "
+                    "(self._impl(x)) instead of storing it."
+                )
+    return value, _UNKEPT
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a variable not yet assigned)
+        return _UNKEPT
 
 
 def compiled_module_type() -> type | tuple[()]:
@@ -336,6 +615,10 @@ def functional_call(
     A submodule that ``forward`` reaches only through a plain attribute (a list of modules
     not registered as children, say) is the original, not the skeleton's copy, and keeps its
     own tensors, as with ``nn.DataParallel``'s replicas; register it (``nn.ModuleList``).
+    An attribute that would reach a module of the tree itself (a bound method such as
+    ``self.act = self._impl``, a ``functools.partial`` or closure of one, and plain lists,
+    tuples and dicts of these) reaches the skeleton's copy instead, as ``torch.func.functional_call``
+    runs it on the given tensors; inside a container of another type it raises ``TypeError``.
 
     Inside a pmapped function with several replicas, the module's own buffers (those ``params``
     leaves out) are shared by the replicas: a ``forward`` that changes one in place (BatchNorm's

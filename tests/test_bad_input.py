@@ -3,6 +3,7 @@ the right type naming the argument, and the failing call leaves its inputs as th
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,18 @@ class BumpsInPlace(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.high.add_(1)
         return x
+
+
+class StoresMethods(nn.Module):
+    """Keeps bound methods of itself in an OrderedDict, which fdp cannot rebuild around a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.lin.table = collections.OrderedDict(act=self.lin.forward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin.table["act"](x)
 
 
 # (id, inputs, call(inputs), exception type, message pattern)
@@ -446,6 +459,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"fdp.DataParallel\(device_ids=\['cpu', 'cpu'\]\): a torch.compile'd module runs on one device "
         r"only",
+    ),
+    (
+        "a bound method of the module kept where fdp cannot rebind it to its private copy",
+        lambda: (torch.zeros(1, 2),),
+        lambda a: fdp.functional_call(StoresMethods(), {}, a),
+        TypeError,
+        r"fdp.functional_call: module.lin.table holds a module of the tree, or a bound method, "
+        r"functools.partial or closure of one, inside an object of type collections.OrderedDict.*"
+        r"Hold it in one of these, or call the method in forward",
     ),
     (
         "a released private copy used after its call (checkpointing where torch's own swap ran)",

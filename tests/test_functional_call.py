@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import copy
+import functools
 import gc
 import threading
 import warnings
@@ -886,3 +888,189 @@ def test_stateful_call_names_params_or_buffers_that_are_no_dict(which: str) -> N
         match=rf"^fdp\.stateful_call: {which} must be a dict of tensors by name, got NoneType: None$",
     ):
         fdp.stateful_call(bn, given["params"], given["buffers"], (torch.randn(4, 2),))  # type: ignore[arg-type]
+
+
+class Stored(nn.Module):
+    """A module whose forward runs ``self.act``: an attribute that reaches the module's tree."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.out = nn.Linear(2, 1)
+        self.kind = kind
+        self.act = STORED[kind](self)
+
+    def _impl(self, x, scale=1.0):
+        return self.out(torch.tanh(self.lin(x))) * scale
+
+    def forward(self, x):
+        override = self.__dict__.get("override")
+        if override is not None:
+            return override(x)
+        act = self.act
+        if self.kind in ("list", "tuple"):
+            act = act[1]
+        elif self.kind in ("dict", "nested"):
+            act = act["f"]
+        elif self.kind == "modules":
+            return self._impl(x) + act[0](x).sum(-1, keepdim=True)
+        elif self.kind == "method of a submodule":
+            return self.out(act(x))
+        return act(x)
+
+
+STORED = {
+    "method of self": lambda m: m._impl,
+    "method of a submodule": lambda m: m.lin.forward,
+    "partial": lambda m: functools.partial(m._impl, scale=2.0),
+    "closure": lambda m: lambda x: m._impl(x) * 3,
+    "list": lambda m: [torch.relu, m._impl],
+    "tuple": lambda m: (None, m._impl),
+    "dict": lambda m: {"f": m._impl, "n": 3},
+    "nested": lambda m: {"f": functools.partial(functools.partial(m._impl), scale=[0.5][0])},
+    "modules": lambda m: [m.lin],  # a module of the tree in a plain list
+}
+
+
+@pytest.mark.parametrize("kind", list(STORED))
+def test_attributes_that_reach_the_modules_tree_run_on_the_given_tensors(kind: str) -> None:
+    # They ran the original module, on its own tensors: nonzero where torch gives zero.
+    net = Stored(kind)
+    x = torch.randn(5, 2)
+    zeros = {k: torch.zeros_like(v) for k, v in net.named_parameters()}
+    assert fdp.functional_call(net, zeros, (x,)).abs().sum() == 0
+    params = {k: torch.randn_like(v).requires_grad_() for k, v in net.named_parameters()}
+    ours = fdp.functional_call(net, params, (x,))
+    expected = torch.func.functional_call(net, params, (x,))
+    torch.testing.assert_close(ours, expected)
+    # Gradients reach the given tensors, as torch's, and none reaches the module's own.
+    grads = torch.autograd.grad(ours.sum(), list(params.values()))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), list(params.values())))
+    assert all(p.grad is None for p in net.parameters())
+    assert net.act is not None and all(p is not params[k] for k, p in net.named_parameters())
+
+
+def double(x):
+    return 2 * x
+
+
+def test_attributes_that_reach_the_tree_set_between_calls_are_seen() -> None:
+    # What was found is kept while the attributes stay the same: every kind of change is seen.
+    net = Stored("list")
+    net.act = [None, double]
+    x = torch.randn(5, 2)
+    zeros = {k: torch.zeros_like(v) for k, v in net.named_parameters()}
+
+    def check() -> None:
+        torch.testing.assert_close(
+            fdp.functional_call(net, zeros, (x,)), torch.func.functional_call(net, zeros, (x,))
+        )
+
+    check()
+    net.act[1] = net._impl  # changed in place: the same list
+    check()
+    net.act = [None, torch.sin]
+    check()
+    net.act = (None, net._impl)  # the same attribute given another value
+    check()
+    net.act = [None, double]
+    check()
+    check()  # (from here on compared with what was kept, not looked at)
+    net.override = net._impl  # a new attribute
+    check()
+    del net.override
+    net.spare = 1
+    check()
+    check()  # (from here on compared with what was kept, not looked at)
+    del net.spare
+    net.override = functools.partial(net._impl)  # as many attributes as before, one of them new
+    check()
+    del net.override
+    net.lin.scale = torch.ones(1)  # a value that cannot be kept: lin is looked at on every call
+    check()
+    net.kind = "method of a submodule"
+    net.lin.alias = net.lin.forward
+    net.act = lambda x: net.lin.alias(x)
+    check()
+
+
+def test_containers_inside_themselves_or_shared_many_times_are_looked_into_once() -> None:
+    net = Stored("list")
+    net.act = [None, net._impl]
+    net.act += [net.act] * 20  # a list inside itself
+    shared: list = [net._impl]
+    for _ in range(40):  # 20**40 ways to the innermost list
+        shared = [shared] * 20
+    net.shared = shared
+    x = torch.randn(5, 2)
+    zeros = {k: torch.zeros_like(v) for k, v in net.named_parameters()}
+    assert fdp.functional_call(net, zeros, (x,)).abs().sum() == 0
+
+
+def test_a_stored_bound_method_keeps_no_module_alive() -> None:
+    net = Stored("method of self")
+    fdp.functional_call(net, {}, (torch.randn(3, 2),))
+    ref = weakref.ref(net)
+    del net
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_container_that_cannot_be_rebuilt_around_a_copy_is_refused() -> None:
+    net = Stored("dict")
+    net.lin.act = collections.OrderedDict(f=net._impl)
+    with pytest.raises(
+        TypeError,
+        match=r"fdp.functional_call: module.lin.act holds a module of the tree.*collections.OrderedDict",
+    ):
+        fdp.functional_call(net, {}, (torch.randn(3, 2),))
+
+
+def test_replicas_each_run_a_stored_bound_method_on_their_own_tensors() -> None:
+    # Each replica is given a weight of its own: one that ran on another replica's (or on the
+    # module's own) would show.
+    net = Stored("partial")
+    x = torch.randn(2, 3, 2)
+    weights = torch.randn(2, 2, 2)
+
+    def step(weight, x):
+        return fdp.functional_call(net, {"lin.weight": weight[0]}, (x[0],))
+
+    mapped = fdp.pmap(step, devices=["cpu", "cpu"])
+    expected = torch.cat(
+        [torch.func.functional_call(net, {"lin.weight": weights[i]}, (x[i],)) for i in range(2)]
+    )
+    for _ in range(20):
+        torch.testing.assert_close(mapped(weights, x), expected)
+    # A pmapped module: every replica runs on the given tensors.
+    zeros = {k: torch.zeros_like(v) for k, v in net.named_parameters()}
+    assert fdp.pmap(net, devices=["cpu", "cpu"])(zeros, x.flatten(0, 1)).abs().sum() == 0
+
+
+class CheckpointedStored(Stored):
+    checkpoint = True
+
+    def forward(self, x):
+        if not self.checkpoint:
+            return self.act(x)
+        return torch.utils.checkpoint.checkpoint(self.act, x, use_reentrant=False)
+
+
+def test_checkpointing_a_stored_bound_method_with_tied_weights() -> None:
+    # The recomputation in backward runs the rebound method again, on the call's own tensors.
+    net = CheckpointedStored("partial")
+    net.register_parameter("tied", net.lin.weight)  # a tensor under two names
+    net.again = net.lin  # a submodule under two names
+    x = torch.randn(4, 2)
+    p1, p2 = ({k: torch.randn_like(v).requires_grad_() for k, v in net.named_parameters()} for _ in range(2))
+
+    def grads(call):
+        loss = call(net, p1, (x,)).sum() + call(net, p2, (x,)).sum()
+        return torch.autograd.grad(loss, [*p1.values(), *p2.values()])
+
+    ours = grads(fdp.functional_call)
+    # The oracle recomputes nothing (torch's own call would recompute with the module's own
+    # tensors) and runs on a twin per call (torch 2.13 leaves a tensor in a submodule under
+    # two names: pytorch/pytorch#164759).
+    net.checkpoint = False
+    torch.testing.assert_close(ours, grads(lambda *a: torch.func.functional_call(copy.deepcopy(net), *a[1:])))
