@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import optree
 import torch
@@ -25,6 +25,13 @@ __all__ = ["pmap", "Pmapped"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+# A bound method's: what is left of a pmapped function's parameters after the instance.
+_BoundP = ParamSpec("_BoundP")
+_BoundR = TypeVar("_BoundR")
+_Instance = TypeVar("_Instance")
+
+# What a pmapped module takes first: its parameters and buffers, as for functional_call.
+_ModuleParams = dict[str, Any] | Sequence[dict[str, Any]]
 
 
 class _Plan:
@@ -169,6 +176,18 @@ class Pmapped(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<{self._caller} in_axes={self.in_axes!r} out_axes={self.out_axes!r}>"
+
+    # Typed so that a checker binds a decorated method as Python does: the instance takes the
+    # first parameter, and the bound method has the others (with Any, every call went unchecked).
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> Pmapped[P, R]: ...
+
+    @overload
+    def __get__(
+        self: Pmapped[Concatenate[_Instance, _BoundP], _BoundR],
+        instance: _Instance,
+        owner: type | None = None,
+    ) -> Callable[_BoundP, _BoundR]: ...
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         # Lets @fdp.pmap decorate methods: the instance becomes the first (broadcast) argument.
@@ -592,6 +611,25 @@ def _shares_bytes(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
 def _version(t: torch.Tensor) -> int:
     # Inference tensors keep no version counter; they cannot be modified outside inference mode.
     return -1 if t.is_inference() else t._version
+
+
+# A module first: nn.Module's __call__ takes anything, which would type the pmapped module's call
+# as taking anything, where it takes the parameters and buffers first.
+@overload
+def pmap(
+    fn: nn.Module,
+    /,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_name: Hashable | None = None,
+    devices: Sequence[_devices.DeviceLike] | None = None,
+    output_device: _devices.DeviceLike | None = None,
+    static_argnums: int | Sequence[int] = (),
+    split: _split.SplitRule = "chunk",
+    check_unmapped_outputs: bool = False,
+    compile: bool | Mapping[str, Any] = False,
+) -> Pmapped[Concatenate[_ModuleParams, ...], Any]: ...
 
 
 @overload

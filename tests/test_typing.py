@@ -1,0 +1,148 @@
+"""The public API as a type checker sees it from user code: ``mypy --strict`` on a snippet.
+
+fdp ships ``py.typed``, so users' checkers read its annotations: a wrong one rejects correct
+user code, or types a result ``Any`` and checks nothing after it. The snippet below is user
+code; each line that ends in ``# reveals: T`` must reveal ``T`` exactly, each that ends in
+``# error: code`` must be reported with that error code, and no other line may be reported.
+mypy runs once for all of them, with fdp's own modules silent, as for an installed package
+(whose errors mypy does not report in its users' runs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from pathlib import Path
+
+import mypy.api
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SNIPPET = textwrap.dedent(
+    """
+    from typing import Any
+
+    import torch
+    from torch import nn
+
+    import fdp
+
+    def f(x: torch.Tensor, n: int = 1) -> tuple[torch.Tensor, int]:
+        return x, n
+
+    x = torch.zeros(4, 2)
+    model = nn.Linear(2, 3)
+    params = dict(model.named_parameters())
+
+    # --- fdp.pmap: as a function, as @pmap, as @pmap(...) ------------------------------------
+    pf = fdp.pmap(f, in_axes=(0, None), devices=["cpu", 0, torch.device("cpu")])
+    reveal_type(pf)  # reveals: Pmapped[[x: Tensor, n: int =], tuple[Tensor, int]]
+    reveal_type(pf(x, 2))  # reveals: tuple[Tensor, int]
+    pf(x, "2")  # error: arg-type
+    pf(x, m=2)  # error: call-arg
+    reveal_type(pf.devices)  # reveals: tuple[device, ...]
+    fdp.pmap(f, split="even")  # error: call-overload
+
+    @fdp.pmap
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    reveal_type(double)  # reveals: Pmapped[[x: Tensor], Tensor]
+
+    @fdp.pmap(axis_name="i", devices=["cpu", "cpu"], out_axes=(fdp.PER_REPLICA, None))
+    def step(state: dict[str, Any], x: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        return state, x
+
+    reveal_type(step)  # reveals: Pmapped[[state: dict[str, Any], x: Tensor], tuple[dict[str, Any], Tensor]]
+    reveal_type(step({}, x))  # reveals: tuple[dict[str, Any], Tensor]
+
+    # A module is called with its parameters (and buffers) first.
+    pm = fdp.pmap(model, devices=["cpu", "cpu"])
+    reveal_type(pm)  # reveals: Pmapped[[dict[str, Any] | Sequence[dict[str, Any]], *Any, **Any], Any]
+    pm(params, x)
+    pm([params, dict(model.named_buffers())], x)
+    pm(x)  # error: arg-type
+
+    # A decorated method: bound, it takes what follows self.
+    class Scaler:
+        @fdp.pmap(in_axes=(None, 0))
+        def scale(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    reveal_type(Scaler.scale)  # reveals: Pmapped[[self: Scaler, x: Tensor], Tensor]
+    reveal_type(Scaler().scale)  # reveals: def (x: Tensor) -> Tensor
+    reveal_type(Scaler().scale(x))  # reveals: Tensor
+    Scaler().scale(3)  # error: arg-type
+    """
+)
+
+_EXPECTATION = re.compile(r"#\s*(reveals|error):\s*(.+)$")
+
+
+def _expectations() -> dict[int, tuple[str, str]]:
+    """Line number -> (kind, what), from the snippet's comments."""
+    found = {}
+    for number, line in enumerate(SNIPPET.splitlines(), start=1):
+        match = _EXPECTATION.search(line)
+        if match:
+            found[number] = (match.group(1), match.group(2).strip())
+    return found
+
+
+def _short(revealed: str) -> str:
+    # mypy names types by their defining modules (fdp._pmap.Pmapped, torch._tensor.Tensor):
+    # compared by their last parts, as a user reads them.
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", revealed)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[str]]:
+    """What mypy reports on each line of the snippet: revealed types and error codes."""
+    folder = tmp_path_factory.mktemp("typing")
+    (folder / "user_code.py").write_text(SNIPPET)
+    (folder / "mypy.ini").write_text(
+        "[mypy]\n"
+        "strict = True\n"
+        "python_version = 3.11\n"
+        f"mypy_path = {ROOT}\n"
+        # fdp read from the source tree, as an installed package is read: its own errors (under
+        # options stricter than its own) are not the user's.
+        "[mypy-fdp.*]\n"
+        "follow_imports = silent\n"
+    )
+    # No cache (os.devnull): written, it costs more than it saves in one run.
+    stdout, stderr, _ = mypy.api.run(
+        ["--config-file", str(folder / "mypy.ini"), "--cache-dir", os.devnull, str(folder / "user_code.py")]
+    )
+    assert not stderr, stderr
+    found: dict[int, list[str]] = {}
+    for line in stdout.splitlines():
+        match = re.match(r".*user_code\.py:(\d+): (note|error): (.*)$", line)
+        if match is None:
+            continue
+        number, kind, message = int(match.group(1)), match.group(2), match.group(3)
+        revealed = re.match(r'Revealed type is "(.*)"$', message)
+        if revealed:
+            found.setdefault(number, []).append("reveals: " + _short(revealed.group(1)))
+        elif kind == "error":
+            code = re.search(r"\[([a-z-]+)\]$", message)
+            found.setdefault(number, []).append("error: " + (code.group(1) if code else message))
+    return found
+
+
+EXPECTED = _expectations()
+
+
+@pytest.mark.parametrize("number", sorted(EXPECTED), ids=lambda n: SNIPPET.splitlines()[n - 1].strip())
+def test_user_code_line(reports: dict[int, list[str]], number: int) -> None:
+    kind, what = EXPECTED[number]
+    assert reports.get(number, []) == [f"{kind}: {what}"]
+
+
+def test_nothing_else_is_reported(reports: dict[int, list[str]]) -> None:
+    unexpected = {n: r for n, r in reports.items() if n not in EXPECTED}
+    assert not unexpected, "\n".join(
+        f"{SNIPPET.splitlines()[n - 1]}\n  -> {r}" for n, r in unexpected.items()
+    )
