@@ -30,7 +30,7 @@ as much as its forward pass on a small batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
@@ -41,6 +41,7 @@ from ._state import PerReplica
 
 __all__ = [
     "GradientTransformation",
+    "TransformUpdateFn",
     "EmptyState",
     "SgdState",
     "AdamState",
@@ -53,6 +54,27 @@ __all__ = [
 ]
 
 Tree = Any
+
+
+class TransformUpdateFn(Protocol):
+    """The type of :class:`GradientTransformation`'s ``update``: ``update(grads, state,
+    params=None)`` returns ``(updates, new_state)`` (optax's ``TransformUpdateFn``).
+
+    ``params`` may be left out where the transformation needs none (:func:`clip_by_global_norm`);
+    an ``update`` must therefore take it as optional. The parameters are positional-only here,
+    so that an ``update`` may name them as it likes (``updates``, ``s``, ``p``).
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> def halve(grads, state, params=None):
+        ...     return {k: g / 2 for k, g in grads.items()}, state
+        >>> update: optim.TransformUpdateFn = halve
+        >>> optim.GradientTransformation(lambda params: (), update).update({"w": torch.ones(1)}, ())[0]
+        {'w': tensor([0.5000])}
+    """
+
+    def __call__(self, grads: Tree, state: Any, params: Tree | None = None, /) -> tuple[Tree, Any]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -71,7 +93,7 @@ class GradientTransformation(NamedTuple):
     """
 
     init: Callable[[Tree], Any]
-    update: Callable[[Tree, Any, Tree | None], tuple[Tree, Any]]
+    update: TransformUpdateFn
 
     def apply_gradients(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         """One optimizer step: the new parameters and the new state (flax's

@@ -75,6 +75,30 @@ SNIPPET = textwrap.dedent(
     reveal_type(Scaler().scale)  # reveals: def (x: Tensor) -> Tensor
     reveal_type(Scaler().scale(x))  # reveals: Tensor
     Scaler().scale(3)  # error: arg-type
+
+    # --- fdp.optim ----------------------------------------------------------------------------
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(1e-3))
+    state = opt.init(params)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    new_params, state = opt.apply_gradients(grads, state, params)
+    updates, state = opt.update(grads, state, params)
+    new_params = fdp.optim.apply_updates(params, updates)
+    # params left out, where the transformation needs none (clip_by_global_norm's example)
+    clip = fdp.optim.clip_by_global_norm(1.0)
+    clipped, _ = clip.update(grads, clip.init(None))
+    opt.update(grads)  # error: call-arg
+    init, update = fdp.optim.sgd(0.1, momentum=0.9)
+
+    # A transformation of one's own: the update's parameters may have any names.
+    def scale(updates: Any, s: Any, p: Any = None) -> tuple[Any, Any]:
+        return updates, s
+
+    def needs_params(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        return grads, state
+
+    fdp.optim.chain(fdp.optim.GradientTransformation(lambda p: (), scale), fdp.optim.sgd(0.1))
+    fdp.optim.GradientTransformation(lambda p: (), lambda g, s, params=None: (g, s))
+    fdp.optim.GradientTransformation(lambda p: (), needs_params)  # error: arg-type
     """
 )
 
