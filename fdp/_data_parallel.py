@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -32,13 +32,17 @@ from . import _compile, _devices, _functional_call, _pmap, _scatter, _split, _st
 
 __all__ = ["DataParallel"]
 
+# The wrapped module's type, kept in .module's (as nn.DataParallel is generic in it): typed
+# nn.Module, dp.module.fc would be nn.Module's __getattr__'s Tensor | Module.
+_M = TypeVar("_M", bound=nn.Module)
+
 
 def _as_device_id(device: torch.device) -> int | torch.device:
     # nn.DataParallel keeps CUDA devices as indices; CPU devices have none.
     return device.index if device.type == "cuda" and device.index is not None else device
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Generic[_M]):
     """Runs ``module`` on several devices, splitting its inputs along ``dim``.
 
     A drop-in for :class:`torch.nn.DataParallel` built on :func:`fdp.pmap`: same constructor,
@@ -75,7 +79,7 @@ class DataParallel(nn.Module):
 
     def __init__(
         self,
-        module: nn.Module,
+        module: _M,
         device_ids: Sequence[_devices.DeviceLike] | None = None,
         output_device: _devices.DeviceLike | None = None,
         dim: int = 0,
@@ -102,7 +106,7 @@ class DataParallel(nn.Module):
             raise TypeError(
                 f"fdp.DataParallel: axis_name must be hashable, got {type(axis_name).__name__}: {axis_name!r}"
             ) from None
-        self.module = module
+        self.module: _M = module
         devices = _devices.resolve_devices(device_ids, what="fdp.DataParallel device_ids")
         if len(devices) > 1 and isinstance(module, _functional_call.compiled_module_type()):
             raise TypeError(

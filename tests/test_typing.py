@@ -76,6 +76,18 @@ SNIPPET = textwrap.dedent(
     reveal_type(Scaler().scale(x))  # reveals: Tensor
     Scaler().scale(3)  # error: arg-type
 
+    # --- fdp.DataParallel: the wrapped module keeps its type, as in nn.DataParallel -----------
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 3)
+
+    dp = fdp.DataParallel(Net(), device_ids=["cpu", "cpu"], buffers="average", split="balanced")
+    reveal_type(dp)  # reveals: DataParallel[Net]
+    reveal_type(dp.module.fc)  # reveals: Linear
+    dp(x)
+    fdp.DataParallel(model, device_ids=[0, 1], buffers="replica1")  # error: arg-type
+
     # --- fdp.optim ----------------------------------------------------------------------------
     opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(1e-3))
     state = opt.init(params)
