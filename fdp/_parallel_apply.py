@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -12,6 +12,8 @@ from torch import nn
 from . import _devices, _pool, _tree
 
 __all__ = ["parallel_apply"]
+
+R = TypeVar("R")
 
 
 def _device_of(tree: Any) -> torch.device:
@@ -22,12 +24,12 @@ def _device_of(tree: Any) -> torch.device:
 
 
 def parallel_apply(
-    fns: Callable[..., Any] | Sequence[Callable[..., Any]],
+    fns: Callable[..., R] | Sequence[Callable[..., R]],
     inputs: Sequence[Any],
     kwargs: Sequence[Mapping[str, Any] | None] | None = None,
     *,
     devices: Sequence[_devices.DeviceLike] | None = None,
-) -> list[Any]:
+) -> list[R]:
     """Calls ``fns[i](*inputs[i], **kwargs[i])`` for every ``i`` in parallel, one replica each.
 
     The counterpart of ``torch.nn.parallel.parallel_apply`` on fdp's persistent replica threads:

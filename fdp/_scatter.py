@@ -10,13 +10,15 @@ same object.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from . import _axes, _devices, _split, _state, _transfer, _tree
 
 __all__ = ["scatter", "replicate", "scatter_leaves", "Scattered", "one_replica_row"]
+
+T = TypeVar("T")
 
 
 class Scattered:
@@ -460,7 +462,7 @@ def scatter(
     return [_tree.unflatten(treespec, row) for row in result.leaves]
 
 
-def replicate(tree: Any, devices: Sequence[_devices.DeviceLike]) -> list[Any]:
+def replicate(tree: T, devices: Sequence[_devices.DeviceLike]) -> list[T]:
     """One copy of ``tree`` per device, differentiably.
 
     The pytree counterpart of ``torch.nn.parallel.replicate``: every tensor leaf is copied to

@@ -88,6 +88,13 @@ SNIPPET = textwrap.dedent(
     dp(x)
     fdp.DataParallel(model, device_ids=[0, 1], buffers="replica1")  # error: arg-type
 
+    # --- the nn.parallel primitives ------------------------------------------------------------
+    reveal_type(fdp.replicate(params, ["cpu", "cpu"]))  # reveals: list[dict[str, Parameter]]
+    shards = fdp.scatter({"x": x}, ["cpu", "cpu"], split="balanced")
+    reveal_type(fdp.parallel_apply(f, [(s["x"],) for s in shards]))  # reveals: list[tuple[Tensor, int]]
+    outputs = fdp.parallel_apply([model, model], [(s["x"],) for s in shards], devices=["cpu", "cpu"])
+    fdp.gather(outputs, "cpu", out_axes=0)
+
     # --- fdp.optim ----------------------------------------------------------------------------
     opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(1e-3))
     state = opt.init(params)
