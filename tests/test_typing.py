@@ -88,6 +88,36 @@ SNIPPET = textwrap.dedent(
     dp(x)
     fdp.DataParallel(model, device_ids=[0, 1], buffers="replica1")  # error: arg-type
 
+    # --- inside a mapped function: collectives, randomness, functional calls --------------------
+    @fdp.pmap(axis_name="i", devices=["cpu", "cpu"])
+    def inside(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        fdp.pmean(x, "i", weight=x.shape[0])
+        fdp.pmean(x, "i", weight=0.5)
+        fdp.pmean(x, "i", weight=torch.tensor(2.0))
+        fdp.psum({"x": x}, "i"), fdp.pmax(x, "i"), fdp.pmin(x, "i")
+        fdp.all_gather(x, "i", dim=0, tiled=True), fdp.ppermute(x, "i", [(0, 1), (1, 0)])
+        reveal_type(fdp.axis_index("i"))  # reveals: int
+        reveal_type(fdp.axis_size("i"))  # reveals: int
+        with fdp.rng_scope(fdp.replica_seed(fdp.fold_in(0, 1), "i")) as nothing:
+            reveal_type(nothing)  # reveals: None
+            y: torch.Tensor = fdp.functional_call(model, params, (x,))  # Any: as torch.func's
+        out, buffers = fdp.stateful_call(model, params, {}, (x,))
+        reveal_type(buffers)  # reveals: dict[str, Tensor]
+        return y
+
+    # --- resident state ---------------------------------------------------------------------
+    resident = fdp.device_put_replicated({"params": params}, ["cpu", "cpu"])
+    fdp.unreplicate(resident, 1)
+    pr = fdp.PerReplica([x, x], [torch.device("cpu")] * 2)
+    reveal_type(pr.devices)  # reveals: tuple[device, ...]
+
+    # --- fdp.distributed ----------------------------------------------------------------------
+    fdp.distributed.initialize(backend="gloo", timeout=30.0, rank=0, world_size=1)
+    reveal_type(fdp.distributed.local_devices())  # reveals: list[device]
+    reveal_type(fdp.distributed.rank())  # reveals: int
+    reveal_type(fdp.distributed.is_main_process())  # reveals: bool
+    fdp.distributed.shutdown()
+
     # --- the nn.parallel primitives ------------------------------------------------------------
     reveal_type(fdp.replicate(params, ["cpu", "cpu"]))  # reveals: list[dict[str, Parameter]]
     shards = fdp.scatter({"x": x}, ["cpu", "cpu"], split="balanced")
