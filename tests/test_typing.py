@@ -10,8 +10,10 @@ mypy runs once for all of them, with fdp's own modules silent, as for an install
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -185,10 +187,23 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[str]]:
         "[mypy-fdp.*]\n"
         "follow_imports = silent\n"
     )
-    # No cache (os.devnull): written, it costs more than it saves in one run.
-    stdout, stderr, _ = mypy.api.run(
-        ["--config-file", str(folder / "mypy.ini"), "--cache-dir", os.devnull, str(folder / "user_code.py")]
-    )
+    # In this process, mypy raises the gc thresholds and the recursion limit for good: put back,
+    # so that the tests after this one run as they would without it.
+    thresholds, limit = gc.get_threshold(), sys.getrecursionlimit()
+    try:
+        # No cache (os.devnull): written, it costs more than it saves in one run.
+        stdout, stderr, _ = mypy.api.run(
+            [
+                "--config-file",
+                str(folder / "mypy.ini"),
+                "--cache-dir",
+                os.devnull,
+                str(folder / "user_code.py"),
+            ]
+        )
+    finally:
+        gc.set_threshold(*thresholds)
+        sys.setrecursionlimit(limit)
     assert not stderr, stderr
     found: dict[int, list[str]] = {}
     for line in stdout.splitlines():
