@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,10 @@ _POLL = datetime.timedelta(seconds=0.5)
 # The descriptor that every process-level collective is checked with (see _agree): 8 bytes of
 # payload (a replica count), then the description's text.
 _CHECK_BYTES = 256
+
+
+# A tree whose tensors are replaced by others of the same structure (broadcast, shard_batch).
+_Tree = TypeVar("_Tree")
 
 
 class Layout(NamedTuple):
@@ -1133,7 +1137,7 @@ class _AllGather(torch.autograd.Function):
         return all_reduce(grad, "sum", f"the backward of {ctx.name}")[rank()], None, None
 
 
-def broadcast(tree: Any, *, src: int = 0) -> Any:
+def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
     """Every tensor of ``tree`` with process ``src``'s value, in every process.
 
     What DDP does to a model's parameters and buffers when it wraps it, and what
@@ -1220,7 +1224,7 @@ def replica_counts(local: int) -> list[int]:
 # --- data ------------------------------------------------------------------------------------------
 
 
-def shard_batch(batch: Any, *, local_replicas: int = 1, split: _split.SplitRule = "balanced") -> Any:
+def shard_batch(batch: _Tree, *, local_replicas: int = 1, split: _split.SplitRule = "balanced") -> _Tree:
     """This process's share of a global batch: the rows of its replicas.
 
     Every process holds the same global batch (same seed, same data order); each takes the

@@ -118,6 +118,8 @@ SNIPPET = textwrap.dedent(
     reveal_type(fdp.distributed.local_devices())  # reveals: list[device]
     reveal_type(fdp.distributed.rank())  # reveals: int
     reveal_type(fdp.distributed.is_main_process())  # reveals: bool
+    reveal_type(fdp.distributed.broadcast({"w": x}))  # reveals: dict[str, Tensor]
+    reveal_type(fdp.distributed.shard_batch((x, x)))  # reveals: tuple[Tensor, Tensor]
     fdp.distributed.shutdown()
 
     # --- the nn.parallel primitives ------------------------------------------------------------
