@@ -30,7 +30,7 @@ import math
 import operator
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -839,6 +839,17 @@ def _run(
 # --- the public collectives --------------------------------------------------------------------
 
 
+# Typed for the usual calls: a tensor gives a tensor, and so does a Python number (the
+# reduction is a 0-dim tensor); any other tree gives a tree of that structure, whose numbers
+# become tensors (so not of the same type): Any.
+@overload
+def psum(x: torch.Tensor, axis_name: Hashable) -> torch.Tensor: ...
+@overload
+def psum(x: bool | int | float, axis_name: Hashable) -> torch.Tensor: ...
+@overload
+def psum(x: Any, axis_name: Hashable) -> Any: ...
+
+
 @eager_under_compile
 def psum(x: Any, axis_name: Hashable) -> Any:
     """Sums ``x`` over the replicas of ``axis_name``: every replica gets the total.
@@ -866,6 +877,18 @@ def psum(x: Any, axis_name: Hashable) -> Any:
     """
     packed, results = _run(_AllReduce("sum"), x, axis_name, numbers="count")
     return packed.unpack(results)
+
+
+@overload
+def pmean(
+    x: torch.Tensor, axis_name: Hashable, *, weight: float | torch.Tensor | None = None
+) -> torch.Tensor: ...
+@overload
+def pmean(
+    x: bool | int | float, axis_name: Hashable, *, weight: float | torch.Tensor | None = None
+) -> torch.Tensor: ...
+@overload
+def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any: ...
 
 
 @eager_under_compile
@@ -923,6 +946,14 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
     return packed.unpack(results)
 
 
+@overload
+def pmax(x: torch.Tensor, axis_name: Hashable) -> torch.Tensor: ...
+@overload
+def pmax(x: bool | int | float, axis_name: Hashable) -> torch.Tensor: ...
+@overload
+def pmax(x: Any, axis_name: Hashable) -> Any: ...
+
+
 @eager_under_compile
 def pmax(x: Any, axis_name: Hashable) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
@@ -952,6 +983,14 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
     return packed.unpack(results)
 
 
+@overload
+def pmin(x: torch.Tensor, axis_name: Hashable) -> torch.Tensor: ...
+@overload
+def pmin(x: bool | int | float, axis_name: Hashable) -> torch.Tensor: ...
+@overload
+def pmin(x: Any, axis_name: Hashable) -> Any: ...
+
+
 @eager_under_compile
 def pmin(x: Any, axis_name: Hashable) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
@@ -971,6 +1010,14 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
     """
     packed, results = _run(_AllReduce("min"), x, axis_name, numbers="ordered")
     return packed.unpack(results)
+
+
+@overload
+def all_gather(
+    x: torch.Tensor, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
+) -> torch.Tensor: ...
+@overload
+def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any: ...
 
 
 @eager_under_compile
@@ -1027,6 +1074,12 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
         return stacked.flatten(d, d + 1) if tiled else stacked
 
     return packed.unpack(results, leaf_result)
+
+
+@overload
+def ppermute(x: torch.Tensor, axis_name: Hashable, perm: Any) -> torch.Tensor: ...
+@overload
+def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any: ...
 
 
 @eager_under_compile

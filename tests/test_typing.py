@@ -96,8 +96,14 @@ SNIPPET = textwrap.dedent(
         fdp.pmean(x, "i", weight=x.shape[0])
         fdp.pmean(x, "i", weight=0.5)
         fdp.pmean(x, "i", weight=torch.tensor(2.0))
-        fdp.psum({"x": x}, "i"), fdp.pmax(x, "i"), fdp.pmin(x, "i")
-        fdp.all_gather(x, "i", dim=0, tiled=True), fdp.ppermute(x, "i", [(0, 1), (1, 0)])
+        reveal_type(fdp.psum(x, "i"))  # reveals: Tensor
+        reveal_type(fdp.psum(3.0, "i"))  # reveals: Tensor
+        reveal_type(fdp.pmean(x, "i", weight=2))  # reveals: Tensor
+        reveal_type(fdp.psum({"x": x}, "i"))  # reveals: Any
+        reveal_type(fdp.pmax(x, "i"))  # reveals: Tensor
+        reveal_type(fdp.pmin(1, "i"))  # reveals: Tensor
+        reveal_type(fdp.all_gather(x, "i", dim=0, tiled=True))  # reveals: Tensor
+        reveal_type(fdp.ppermute(x, "i", [(0, 1), (1, 0)]))  # reveals: Tensor
         reveal_type(fdp.axis_index("i"))  # reveals: int
         reveal_type(fdp.axis_size("i"))  # reveals: int
         with fdp.rng_scope(fdp.replica_seed(fdp.fold_in(0, 1), "i")) as nothing:
