@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import hashlib
 import importlib
 import json
+import numbers
 import os
 import queue
 import re
@@ -97,10 +99,13 @@ def layout_of(tree: Any, treespec: Any, leaves: Sequence[Any], root: str = "x") 
     except TypeError:  # a custom node whose metadata cannot be hashed: computed each time
         signature = None
     if signature is None:
-        # From the leaves' accessors (their path entries, with each node's type), which are the
-        # same in every process for the same tree; the treespec's text may show a custom node's
-        # metadata, an object's address.
-        spelled = repr((treespec.accessors(), key[1])).encode()
+        # From the leaves' path entries (each node's type and the key taken), spelled alike in
+        # every process for the same tree: not as their repr, which names a class by its module
+        # (__main__ in one process, __mp_main__ in a spawned one) and may show an address (a
+        # custom node's entry objects), and which tells apart keys that are one dict key (1,
+        # 1.0, True): the cache above keeps one signature for all of them.
+        paths = [tuple(map(_entry_text, accessor)) for accessor in treespec.accessors()]
+        spelled = repr((paths, key[1])).encode()
         signature = hashlib.blake2b(spelled, digest_size=8).hexdigest()
         if len(_SIGNATURES) >= 256:
             _SIGNATURES.clear()
@@ -112,6 +117,31 @@ def layout_of(tree: Any, treespec: Any, leaves: Sequence[Any], root: str = "x") 
         return str(treespec), [(path, _tree.describe(leaf)) for path, leaf in zip(paths, leaves)]
 
     return Layout(signature, describe)
+
+
+def _entry_text(entry: Any) -> str:
+    """A path entry of :func:`layout_of`'s tree, spelled the same in every process."""
+    return f"{type(entry).__name__}:{entry.type.__qualname__}:{_key_text(entry.entry)}"
+
+
+def _key_text(key: Any) -> str:
+    """A dict key (or a node's entry), spelled the same in every process, and alike for keys
+    that are one dict key."""
+    if isinstance(key, str | bytes) or key is None:
+        return repr(key)
+    if isinstance(key, numbers.Number):
+        # 1, 1.0, True and NumPy's 1 are one key.
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            if key == int(key):  # type: ignore[call-overload]
+                return str(int(key))  # type: ignore[call-overload]
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            return repr(float(key))  # type: ignore[arg-type]
+        return repr(key)
+    if isinstance(key, tuple):
+        return "(" + ", ".join(map(_key_text, key)) + ")"
+    if isinstance(key, enum.Enum):
+        return f"{type(key).__qualname__}.{key.name}"
+    return type(key).__qualname__  # its repr may show its address, different in each process
 
 
 class RankFailed(RuntimeError):

@@ -6,6 +6,7 @@ in a quick local run; CI runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import distributed_workers
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -289,6 +291,57 @@ def test_broadcast_without_initialize_returns_the_tree() -> None:
         ValueError, match=r"fdp.distributed.broadcast: src must be a rank, an int from 0 to 0, got 1"
     ):
         fdp.distributed.broadcast(tree, src=1)
+
+
+def _signature_in_a_fresh_process(tree: object) -> str:
+    """layout_of's signature as a process that never saw another tree computes it."""
+    _distributed._SIGNATURES.clear()
+    leaves, treespec = fdp._tree.flatten(tree)
+    return _distributed.layout_of(tree, treespec, leaves).signature
+
+
+def test_processes_with_the_same_tree_compute_the_same_layout_signature() -> None:
+    # A false mismatch would stop training: whatever one process met before, and however its
+    # classes or keys print, the same tree gives the same signature.
+    t = torch.zeros(2)
+    # Equal dict keys (1, 1.0, True) make equal treespecs, which the cache keeps one signature
+    # for: a process that met {1.0: t} first must agree with one that met {1: t} only.
+    one = _signature_in_a_fresh_process({1: t})
+    _distributed._SIGNATURES.clear()
+    for key in (1.0, True, 1):
+        leaves, treespec = fdp._tree.flatten({key: t})
+        assert _distributed.layout_of({key: t}, treespec, leaves).signature == one, key
+
+    # A class of the script's is __main__'s in a process started as the script (torchrun, or
+    # the parent of mp.Process children) and __mp_main__'s in a spawned child.
+    def made_in(module: str) -> type:
+        cls = dataclasses.make_dataclass("State", [("w", torch.Tensor)])
+        cls.__module__ = module
+        return cls
+
+    signatures = {_signature_in_a_fresh_process(made_in(m)(t)) for m in ("__main__", "__mp_main__")}
+    assert len(signatures) == 1
+
+    # A custom node whose path entries print with their address.
+    class Entry:
+        pass
+
+    class Box:
+        def __init__(self, v: torch.Tensor) -> None:
+            self.v = v
+
+    optree.register_pytree_node(
+        Box, lambda b: ((b.v,), None, (Entry(),)), lambda _, c: Box(c[0]), namespace=fdp._tree.NAMESPACE
+    )
+    try:
+        assert _signature_in_a_fresh_process(Box(t)) == _signature_in_a_fresh_process(Box(t))
+    finally:
+        optree.unregister_pytree_node(Box, namespace=fdp._tree.NAMESPACE)
+
+    # Trees that differ still differ.
+    assert _signature_in_a_fresh_process({"a": t}) != _signature_in_a_fresh_process({"b": t})
+    assert _signature_in_a_fresh_process({1: t}) != _signature_in_a_fresh_process({2: t})
+    assert _signature_in_a_fresh_process([t]) != _signature_in_a_fresh_process((t,))
 
 
 def free_port() -> int:
