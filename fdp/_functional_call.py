@@ -331,7 +331,7 @@ def _rebound(
     value: Any,
     copies: dict[int, Any],
     name: str,
-    path: str,
+    path: _Path,
     depth: int,
     made: list[Any],
     seen: dict[int, tuple[Any, Any]],
@@ -356,6 +356,8 @@ def _rebound(
         return value, value
     if kind is types.BuiltinFunctionType and isinstance(value.__self__, (types.ModuleType, type(None))):
         return value, value  # torch.relu, len: no object of the user's behind it
+    if isinstance(value, torch.Tensor):  # (the usual item of a list or dict looked at every call)
+        return value, _UNKEPT
     if kind is types.MethodType:
         pair = copies.get(id(value.__self__))
         if pair is not None and pair[0]() is value.__self__:
@@ -385,7 +387,7 @@ def _rebuilt(
     kind: type,
     copies: dict[int, Any],
     name: str,
-    path: str,
+    path: _Path,
     depth: int,
     made: list[Any],
     seen: dict[int, tuple[Any, Any]],
@@ -393,7 +395,7 @@ def _rebuilt(
     """:func:`_rebound` for a container, a partial or a closure: what it holds, rebound."""
     if kind is list or kind is tuple:
         items = [
-            _rebound(item, copies, name, f"{path}[{i}]", depth, made, seen) for i, item in enumerate(value)
+            _rebound(item, copies, name, (path, "[]", i), depth, made, seen) for i, item in enumerate(value)
         ]
         changed = any(new is not item for (new, _), item in zip(items, value))
         new_value = kind(new for new, _ in items) if changed else value
@@ -403,7 +405,7 @@ def _rebuilt(
         return new_value, (_UNKEPT if any(k is _UNKEPT for k in kept) else kind(kept))
     if kind is dict:
         entries = {
-            key: _rebound(item, copies, name, f"{path}[{key!r}]", depth, made, seen)
+            key: _rebound(item, copies, name, (path, "[]", key), depth, made, seen)
             for key, item in value.items()
         }
         changed = any(entries[key][0] is not item for key, item in value.items())
@@ -413,9 +415,9 @@ def _rebuilt(
         unkept = any(kept is _UNKEPT for _, kept in entries.values())
         return new_value, (_UNKEPT if unkept else {key: kept for key, (_, kept) in entries.items()})
     if kind is functools.partial:
-        func = _rebound(value.func, copies, name, f"{path}.func", depth, made, seen)[0]
-        args = _rebound(value.args, copies, name, f"{path}.args", depth, made, seen)[0]
-        keywords = _rebound(value.keywords, copies, name, f"{path}.keywords", depth, made, seen)[0]
+        func = _rebound(value.func, copies, name, (path, ".", "func"), depth, made, seen)[0]
+        args = _rebound(value.args, copies, name, (path, ".", "args"), depth, made, seen)[0]
+        keywords = _rebound(value.keywords, copies, name, (path, ".", "keywords"), depth, made, seen)[0]
         if func is value.func and args is value.args and keywords is value.keywords:
             return value, _UNKEPT
         new = functools.partial(func, *args, **keywords)
@@ -428,7 +430,7 @@ def _rebuilt(
         rebound = [
             content
             if content is _UNKEPT
-            else _rebound(content, copies, name, f"{path}.{var}", depth, made, seen)[0]
+            else _rebound(content, copies, name, (path, ".", var), depth, made, seen)[0]
             for var, content in zip(value.__code__.co_freevars, contents)
         ]
         if all(new is old for new, old in zip(rebound, contents)):
@@ -454,7 +456,7 @@ def _rebuilt(
         )
         for item in inside:
             if _rebound(item, copies, name, path, depth, [], seen)[0] is not item:
-                where = f"{name}.{path}" if name else path
+                where = f"{name}.{_path_text(path)}" if name else _path_text(path)
                 raise TypeError(
                     f"fdp.functional_call: module.{where} holds a module of the tree, or a bound "
                     "method, functools.partial or closure of one, inside an object of type "
@@ -466,6 +468,26 @@ def _rebuilt(
                     "(self._impl(x)) instead of storing it."
                 )
     return value, _UNKEPT
+
+
+# Where _rebound is, under the attribute it started from: the attribute's name, or (where it
+# is inside, "[]" or ".", the key or name there). Spelled out only for a message: a key's repr
+# on every item of every call would cost more than the rest (and may fail).
+_Path = str | tuple[Any, str, Any]
+
+
+def _path_text(path: _Path) -> str:
+    parts = []
+    while isinstance(path, tuple):
+        path, sep, item = path
+        if sep == ".":
+            parts.append(f".{item}")
+        else:
+            try:
+                parts.append(f"[{item!r}]")
+            except Exception:  # noqa: BLE001 (a key whose repr fails: named by its type)
+                parts.append(f"[<{type(item).__name__}>]")
+    return path + "".join(reversed(parts))
 
 
 def _cell_contents(cell: Any) -> Any:

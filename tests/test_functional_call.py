@@ -1074,3 +1074,26 @@ def test_checkpointing_a_stored_bound_method_with_tied_weights() -> None:
     # two names: pytorch/pytorch#164759).
     net.checkpoint = False
     torch.testing.assert_close(ours, grads(lambda *a: torch.func.functional_call(copy.deepcopy(net), *a[1:])))
+
+
+class Unprintable:
+    """A dict key whose repr fails (as a costly one would take long): only a message may ask."""
+
+    def __repr__(self) -> str:
+        raise AssertionError("a key spelled out on a call that succeeds")
+
+
+def test_attributes_are_looked_at_without_spelling_out_where_they_are() -> None:
+    # A module holding tensors in a plain dict is looked at on every call: the key paths are
+    # for the error message, not worked out for every item of every call.
+    net = Stored("dict")
+    net.table = {Unprintable(): torch.ones(1), "items": [torch.ones(1)] * 3, "f": net._impl}
+    net.act = {"f": net.table["f"], "n": [(Unprintable(), torch.zeros(1))]}
+    x = torch.randn(3, 2)
+    zeros = {k: torch.zeros_like(v) for k, v in net.named_parameters()}
+    for _ in range(2):
+        assert fdp.functional_call(net, zeros, (x,)).abs().sum() == 0
+    # The message still names where.
+    net.table = {Unprintable(): collections.OrderedDict(f=net._impl)}
+    with pytest.raises(TypeError, match=r"module\.table\[<Unprintable>\] holds a module of the tree"):
+        fdp.functional_call(net, zeros, (x,))
