@@ -1219,6 +1219,10 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         if isinstance(leaf, torch.Tensor):
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
     out = list(leaves)
+    if not groups:
+        # Nothing to send, but the trees are still compared: a process whose tree holds no
+        # tensor would otherwise return while one whose tree holds some waits for it.
+        _collective("fdp.distributed.broadcast", f"a broadcast from rank {src}", None, [], layout=layout)
     with torch.no_grad():
         for members in groups.values():
             buffer = torch.cat([leaves[k].detach().reshape(-1) for k in members])

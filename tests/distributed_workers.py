@@ -390,6 +390,11 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
             lambda: fdp.distributed.broadcast({"w": torch.ones(2 + rank, 3 - rank)})
         )
         result["keys"] = timed_outcome(lambda: fdp.distributed.broadcast({("a", "b")[rank]: torch.ones(4)}))
+        # A tree without tensors on one rank only: that rank compares its tree too, not
+        # returning while the other waits for it.
+        result["untensored"] = timed_outcome(
+            lambda: fdp.distributed.broadcast({"step": 1} | ({"w": torch.ones(2)} if rank else {}))
+        )
         result["src"] = timed_outcome(lambda: fdp.distributed.broadcast(state, src=2))
         placed = fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu", "cpu"])
         result["placed"] = timed_outcome(lambda: fdp.distributed.broadcast(placed))

@@ -276,11 +276,15 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
         )
         assert "float32[2,3] on rank 0, float32[3,2] on rank 1" in r["transposed"]["message"]
         assert r["keys"]["error"] == "ValueError" and "trees of different structure" in r["keys"]["message"]
+        assert r["untensored"]["error"] == "ValueError", r["untensored"]
+        assert "trees of different structure" in r["untensored"]["message"]
         assert r["src"]["error"] == "ValueError", r["src"]
         assert "src must be a rank, an int from 0 to 1, got 2" in r["src"]["message"]
         assert r["placed"]["error"] == "TypeError", r["placed"]
         assert "tree['w'] is a PerReplica" in r["placed"]["message"]
-        assert all(r[case]["seconds"] < 10 for case in ("transposed", "keys", "src", "placed")), r
+        assert all(
+            r[case]["seconds"] < 10 for case in ("transposed", "keys", "untensored", "src", "placed")
+        ), r
         assert r["after"] == [1.0]
 
 
