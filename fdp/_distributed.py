@@ -127,7 +127,9 @@ def _entry_text(entry: Any) -> str:
 def _key_text(key: Any) -> str:
     """A dict key (or a node's entry), spelled the same in every process, and alike for keys
     that are one dict key."""
-    if isinstance(key, str | bytes) or key is None:
+    if isinstance(key, str):
+        return str.__repr__(key)  # (a StrEnum's member is the key its value is)
+    if isinstance(key, bytes) or key is None:
         return repr(key)
     if isinstance(key, numbers.Number):
         # 1, 1.0, True and NumPy's 1 are one key.

@@ -7,6 +7,7 @@ in a quick local run; CI runs them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import subprocess
@@ -315,6 +316,9 @@ def test_processes_with_the_same_tree_compute_the_same_layout_signature() -> Non
     for key in (1.0, True, 1):
         leaves, treespec = fdp._tree.flatten({key: t})
         assert _distributed.layout_of({key: t}, treespec, leaves).signature == one, key
+    Name = enum.StrEnum("Name", {"W": "w"})
+    w = _signature_in_a_fresh_process({"w": t})
+    assert _signature_in_a_fresh_process({Name.W: t}) == w
 
     # A class of the script's is __main__'s in a process started as the script (torchrun, or
     # the parent of mp.Process children) and __mp_main__'s in a spawned child.
