@@ -982,7 +982,13 @@ def _spelled_out(state: _State, layout: Layout | None, what: str) -> list[Any]:
     """Every process's ``layout.describe()`` (``None`` for a process without a layout), in rank
     order: two all_gathers, the texts' lengths and then the texts. Only for a message, after the
     entries showed that the layouts differ."""
-    text = json.dumps(None if layout is None else layout.describe()).encode()
+    try:
+        spelled = None if layout is None else layout.describe()
+    except Exception as error:  # noqa: BLE001
+        # (A key or node whose repr fails.) Raised here, it would leave the other ranks
+        # waiting in this exchange: said in the message instead.
+        spelled = (f"a tree that cannot be spelled out ({type(error).__name__}: {error})", [])
+    text = json.dumps(spelled).encode()
     size = torch.tensor([len(text)], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(state.world_size)]
     _all_gather(state, sizes, size, what)

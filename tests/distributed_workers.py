@@ -587,3 +587,24 @@ def leaving_early(rank: int, world: int, folder: str) -> None:
     finally:
         fdp.distributed.shutdown()
         dist.destroy_process_group()
+
+
+class Unprintable:
+    """A dict key whose repr fails."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def unprintable_layout(rank: int, world: int, folder: str) -> None:
+    """The ranks pass trees that differ, one of which cannot be spelled out: every rank still
+    raises at once (the follow-up exchange that spells the trees out is taken by every rank)."""
+    start(rank, world, folder, timeout=20.0)
+    try:
+        key = Unprintable() if rank == 0 else "a"
+        f = fdp.pmap(lambda x: fdp.psum({key: x}, "i")[key], axis_name="i", devices=["cpu", "cpu"])
+        result = {"psum": timed_outcome(lambda: f(torch.ones(2)))}
+        result["after"] = fdp.distributed.broadcast(torch.tensor([float(rank)]), src=1).tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()

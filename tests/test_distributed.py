@@ -352,6 +352,20 @@ def test_processes_with_the_same_tree_compute_the_same_layout_signature() -> Non
     assert _signature_in_a_fresh_process([t]) != _signature_in_a_fresh_process((t,))
 
 
+def test_trees_that_differ_and_cannot_be_spelled_out_fail_every_rank_at_once(tmp_path: Path) -> None:
+    # Spelling a tree out for the message failed on one rank (a dict key whose repr fails): it
+    # raised and went on to its next collective while the other waited in the exchange of the
+    # spelled-out trees, which gloo then aborted (SIGABRT).
+    results, codes = spawn(distributed_workers.unprintable_layout, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:
+        assert r["psum"]["error"] == "ValueError", r
+        assert "trees of different structure to fdp.psum" in r["psum"]["message"]
+        assert "a tree that cannot be spelled out (RuntimeError: no repr)" in results[0]["psum"]["message"]
+        assert r["psum"]["seconds"] < 10, r
+        assert r["after"] == [1.0]
+
+
 def free_port() -> int:
     import socket
 
