@@ -1044,8 +1044,14 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
                 [[3., 4.]]])
     """
     caller = "fdp.all_gather"
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{caller}: dim must be an int, got {type(dim).__name__}: {_tree.short_repr(dim)}")
+    try:
+        if isinstance(dim, bool):  # (an index to operator.index, but no dim)
+            raise TypeError
+        dim = operator.index(dim)  # an int, or a NumPy integer
+    except TypeError:
+        raise TypeError(
+            f"{caller}: dim must be an int, got {type(dim).__name__}: {_tree.short_repr(dim)}"
+        ) from None
     context = _bound(axis_name, caller)
     n = context.group.global_size
 

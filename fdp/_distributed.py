@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import _split, _tree
 from ._state import PerReplica
@@ -862,12 +863,22 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
     groups: dict[bytes, list[int]] = {}
     for r, row in enumerate(rows):
         groups.setdefault(row[8:], []).append(r)
-    entries = [(_decode(entry) + ["?"] * 6)[:6] for entry in groups]
+    entries = [(_decode(entry) + ["?"] * 7)[:7] for entry in groups]
     ranks = list(groups.values())
-    if len({(kind, name, detail, call) for kind, _, name, detail, _, call in entries}) == 1:
-        _, _, name, detail, _, call = entries[0]
+    if len({(kind, name, detail, call) for kind, _, _, name, detail, _, call in entries}) == 1:
+        _, _, _, name, detail, _, call = entries[0]
         if len({signature for _, signature, *_ in entries}) > 1:
             return _layout_disagreement(name, detail, call, layouts())
+        if len({device for _, _, device, *_ in entries}) > 1:
+            # A CPU tensor on one rank and a CUDA one on another would go to gloo on one and
+            # to NCCL on the other, which never meet: a hang until the timeout.
+            passed = ", ".join(f"{device} on {_ranks(rs)}" for (_, _, device, *_), rs in zip(entries, ranks))
+            return (
+                f"fdp.distributed: the processes passed {name} ({detail}, pmapped call #{call}) "
+                f"tensors on different kinds of device: {passed}. Every process must run its "
+                "replicas on the same kind of device (the CPU, or GPUs: "
+                "fdp.distributed.local_devices() gives each process its own)."
+            )
         passed = ", ".join(f"{tensor} on {_ranks(rs)}" for (*_, tensor, _), rs in zip(entries, ranks))
         return (
             f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
@@ -881,7 +892,7 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
         )
 
     def called(entry: list[str]) -> str:
-        kind, _, name, detail, tensor, call = entry
+        kind, _, _, name, detail, tensor, call = entry
         if kind == "call":
             return f"started pmapped call #{call}"
         return f"called {name} ({detail} of {tensor}; pmapped call #{call})"
@@ -1016,9 +1027,11 @@ def _collective(
     process's ``payload``, and every process's ``tensor`` if it travelled along."""
     state = _live_state()
     described = "" if tensor is None else _describe_tensor(tensor)
-    # The signature second: an entry too long for the exchange is cut at its end.
+    # The signature and the device type first: an entry too long for the exchange is cut at
+    # its end.
     signature = "" if layout is None else layout.signature
-    entry = "\x1f".join((kind, signature, name, detail, described, str(state.calls)))
+    device_type = "" if tensor is None else tensor.device.type
+    entry = "\x1f".join((kind, signature, device_type, name, detail, described, str(state.calls)))
     what = f"{name} ({detail})"
     device = torch.device("cpu") if tensor is None else tensor.device
 
@@ -1192,7 +1205,8 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
 
     Returns:
         ``tree`` with every tensor replaced by a new tensor of its own with ``src``'s value and
-        the leaf's dtype, shape, device and ``requires_grad``.
+        the leaf's dtype, shape, device and ``requires_grad`` (an ``nn.Parameter`` by a new
+        ``nn.Parameter``).
 
     Raises:
         ValueError: ``src`` is not a rank, or the processes passed different trees.
@@ -1248,7 +1262,10 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
                 numel = leaves[k].numel()
                 value = buffer[offset : offset + numel].view(leaves[k].shape).clone()
                 offset += numel
-                out[k] = value.requires_grad_() if leaves[k].requires_grad else value
+                if isinstance(leaves[k], nn.Parameter):  # a model's parameter stays one
+                    out[k] = nn.Parameter(value, requires_grad=leaves[k].requires_grad)
+                else:
+                    out[k] = value.requires_grad_() if leaves[k].requires_grad else value
     return _tree.unflatten(treespec, out)
 
 

@@ -390,6 +390,16 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
             lambda: fdp.distributed.broadcast({"w": torch.ones(2 + rank, 3 - rank)})
         )
         result["keys"] = timed_outcome(lambda: fdp.distributed.broadcast({("a", "b")[rank]: torch.ones(4)}))
+        # (A CUDA tensor on one rank would go to NCCL where the CPU one goes to gloo: a hang.)
+        result["devices"] = timed_outcome(
+            lambda: fdp.distributed.broadcast({"w": torch.ones(2, device=("cpu", "meta")[rank])})
+        )
+        weight = nn.Parameter(torch.full((2,), float(rank)))
+        kept = fdp.distributed.broadcast(
+            {"w": weight, "frozen": nn.Parameter(torch.ones(1), requires_grad=False)}
+        )
+        result["parameter"] = [type(kept["w"]).__name__, kept["w"].requires_grad, kept["w"].tolist()]
+        result["parameter"] += [type(kept["frozen"]).__name__, kept["frozen"].requires_grad]
         # A tree without tensors on one rank only: that rank compares its tree too, not
         # returning while the other waits for it.
         result["untensored"] = timed_outcome(

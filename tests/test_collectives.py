@@ -717,6 +717,13 @@ def test_weights_of_numpy_and_one_element_tensors_are_numbers() -> None:
         torch.testing.assert_close(out, torch.tensor([[2.0], [2.0]]))
 
 
+def test_all_gather_takes_a_numpy_integer_dim() -> None:
+    import numpy as np
+
+    out = per_row(lambda x: fdp.all_gather(x, "i", dim=np.int64(1)), n=2)(rows(2))
+    torch.testing.assert_close(out, per_row(lambda x: fdp.all_gather(x, "i", dim=1), n=2)(rows(2)))
+
+
 def test_all_gather_dim_and_ppermute_indices_must_be_ints() -> None:
     with pytest.raises(TypeError, match=r"^fdp.all_gather: dim must be an int, got str: '0'\n"):
         per_row(lambda x: fdp.all_gather(x, "i", dim="0"), n=2)(rows(2))

@@ -279,6 +279,11 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
         assert r["keys"]["error"] == "ValueError" and "trees of different structure" in r["keys"]["message"]
         assert r["untensored"]["error"] == "ValueError", r["untensored"]
         assert "trees of different structure" in r["untensored"]["message"]
+        assert r["devices"]["error"] == "ValueError", r["devices"]
+        assert (
+            "tensors on different kinds of device: cpu on rank 0, meta on rank 1" in r["devices"]["message"]
+        )
+        assert r["parameter"] == ["Parameter", True, [0.0, 0.0], "Parameter", False], r["parameter"]
         assert r["src"]["error"] == "ValueError", r["src"]
         assert "src must be a rank, an int from 0 to 1, got 2" in r["src"]["message"]
         assert r["placed"]["error"] == "TypeError", r["placed"]
