@@ -866,15 +866,16 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
     entries = [(_decode(entry) + ["?"] * 7)[:7] for entry in groups]
     ranks = list(groups.values())
     if len({(kind, name, detail, call) for kind, _, _, name, detail, _, call in entries}) == 1:
-        _, _, _, name, detail, _, call = entries[0]
+        kind, _, _, name, detail, _, call = entries[0]
+        when = _when(kind, call)
         if len({signature for _, signature, *_ in entries}) > 1:
-            return _layout_disagreement(name, detail, call, layouts())
+            return _layout_disagreement(name, detail, when, layouts())
         if len({device for _, _, device, *_ in entries}) > 1:
             # A CPU tensor on one rank and a CUDA one on another would go to gloo on one and
             # to NCCL on the other, which never meet: a hang until the timeout.
             passed = ", ".join(f"{device} on {_ranks(rs)}" for (_, _, device, *_), rs in zip(entries, ranks))
             return (
-                f"fdp.distributed: the processes passed {name} ({detail}, pmapped call #{call}) "
+                f"fdp.distributed: the processes passed {name} ({detail}, {when}) "
                 f"tensors on different kinds of device: {passed}. Every process must run its "
                 "replicas on the same kind of device (the CPU, or GPUs: "
                 "fdp.distributed.local_devices() gives each process its own)."
@@ -882,7 +883,7 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
         passed = ", ".join(f"{tensor} on {_ranks(rs)}" for (*_, tensor, _), rs in zip(entries, ranks))
         return (
             f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
-            f"pmapped call #{call}): {passed}. Every process must pass the same shapes and dtypes. "
+            f"{when}): {passed}. Every process must pass the same shapes and dtypes. "
             + (
                 _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
                 if len({tensor.partition("[")[2] for (*_, tensor, _) in entries}) > 1
@@ -895,7 +896,7 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
         kind, _, _, name, detail, tensor, call = entry
         if kind == "call":
             return f"started pmapped call #{call}"
-        return f"called {name} ({detail} of {tensor}; pmapped call #{call})"
+        return f"called {name} ({detail} of {tensor}; {_when(kind, call)})"
 
     return (
         "fdp.distributed: the processes called different collectives at the same point: "
@@ -906,10 +907,19 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
     )
 
 
-def _layout_disagreement(name: str, detail: str, call: str, layouts: list[Any]) -> str:
+def _when(kind: str, call: str) -> str:
+    """When a collective of ``kind`` ran, for messages: in which pmapped call (``call``: how
+    many had started), or, for one outside them (``"outside"``: ``broadcast``), after which."""
+    if kind != "outside":
+        return f"pmapped call #{call}"
+    return "before any pmapped call" if call == "0" else f"after pmapped call #{call}"
+
+
+def _layout_disagreement(name: str, detail: str, when: str, layouts: list[Any]) -> str:
     """The message for processes that passed one collective trees of different structures,
-    shapes or dtypes (``layouts``: what :meth:`Layout.describe` gave on each rank)."""
-    where = f"{name} ({detail}, pmapped call #{call})"
+    shapes or dtypes (``layouts``: what :meth:`Layout.describe` gave on each rank; ``when``:
+    see :func:`_when`)."""
+    where = f"{name} ({detail}, {when})"
     groups: dict[str, list[int]] = {}
     for r, layout in enumerate(layouts):
         groups.setdefault(json.dumps(layout), []).append(r)
@@ -933,7 +943,7 @@ def _layout_disagreement(name: str, detail: str, call: str, layouts: list[Any]) 
     passed = ", ".join(f"{value} on {_ranks(rs)}" for value, rs in zip(values, ranks))
     return (
         f"fdp.distributed: the processes passed different shapes or dtypes to {name} at "
-        f"{paths[k]} ({detail}, pmapped call #{call}): {passed}. Every process must pass the same "
+        f"{paths[k]} ({detail}, {when}): {passed}. Every process must pass the same "
         "structure, shapes and dtypes. "
         + (
             _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
@@ -1244,7 +1254,14 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
     if not groups:
         # Nothing to send, but the trees are still compared: a process whose tree holds no
         # tensor would otherwise return while one whose tree holds some waits for it.
-        _collective("fdp.distributed.broadcast", f"a broadcast from rank {src}", None, [], layout=layout)
+        _collective(
+            "fdp.distributed.broadcast",
+            f"a broadcast from rank {src}",
+            None,
+            [],
+            kind="outside",
+            layout=layout,
+        )
     with torch.no_grad():
         for members in groups.values():
             buffer = torch.cat([leaves[k].detach().reshape(-1) for k in members])
@@ -1253,7 +1270,12 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
                 return dist.broadcast(buffer, src, async_op=True)
 
             _, carried = _collective(
-                "fdp.distributed.broadcast", f"a broadcast from rank {src}", buffer, [issue], layout=layout
+                "fdp.distributed.broadcast",
+                f"a broadcast from rank {src}",
+                buffer,
+                [issue],
+                kind="outside",
+                layout=layout,
             )
             if carried is not None:
                 buffer = carried[src]

@@ -273,7 +273,8 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
         assert r["from0"]["state['buffers']['1.num_batches_tracked']"][0] == "torch.int64"
         assert r["transposed"]["error"] == "ValueError", r["transposed"]
         assert (
-            "to fdp.distributed.broadcast at tree['w'] (a broadcast from rank 0" in r["transposed"]["message"]
+            "to fdp.distributed.broadcast at tree['w'] (a broadcast from rank 0, before any pmapped call)"
+            in r["transposed"]["message"]
         )
         assert "float32[2,3] on rank 0, float32[3,2] on rank 1" in r["transposed"]["message"]
         assert r["keys"]["error"] == "ValueError" and "trees of different structure" in r["keys"]["message"]
