@@ -208,55 +208,39 @@ def alias_shared_leaves(rows: list[list[Any]], devices: Sequence[torch.device]) 
     return rows
 
 
-class _Share(Function):
-    """``counts[i]`` aliases (views) of tensor ``i``, one for each replica that shares it.
-
-    Backward sums each tensor's gradients in replica order, in one node. Without it, replicas
-    that share one tensor (every CPU replica, a replicated input or ``fdp.DataParallel``'s
-    parameters) each feed the tensor's own gradient accumulator, which adds what reaches it in
-    the order the engine runs the replicas' nodes: by their sequence numbers, which each thread
-    counts for itself, so they depend on which thread ran which replica and on what it ran
-    before. Three replicas, or a tensor used twice in each, then sum in an order that changes
-    from call to call, and two identical runs (a run and its resumed twin) part in the last
-    bits, which training amplifies. ``torch.cuda.comm``'s reduction sums GPUs in device order.
-    """
-
-    @staticmethod
-    def forward(ctx, counts, *tensors):  # type: ignore[override]
-        ctx.counts = counts
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t, count in zip(tensors, counts) for _ in range(count))
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        sums: list[torch.Tensor | None] = []
-        start = 0
-        for count in ctx.counts:
-            total = None
-            for g in grads[start : start + count]:
-                if g is not None:
-                    total = g if total is None else total + g
-            sums.append(total)
-            start += count
-        return (None, *sums)
-
-    @staticmethod
-    def jvp(ctx, _counts, *tangents):  # type: ignore[override]
-        # Forward mode around the call (dual inputs): each alias carries its tensor's tangent.
-        return tuple(
-            None if t is None else t.view_as(t)
-            for t, count in zip(tangents, ctx.counts)
-            for _ in range(count)
-        )
-
-
 def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     """Replaces, in ``rows`` (one list of leaves per replica), every CPU tensor that requires
     grad and that several replicas got as the same object (at the given leaf ``indices``) by one
-    alias per replica, all made by one :class:`_Share` node: the tensor's gradient is then the
-    sum of the replicas' in replica order, the same on every call. Issued from the caller's
-    thread, under grad mode. (On CUDA devices, see :func:`alias_shared_leaves`.)"""
+    view of it per replica, made so that the tensor's gradient is the sum of the replicas' in
+    replica order, the same on every call. Issued from the caller's thread, under grad mode.
+    (On CUDA devices, see :func:`alias_shared_leaves`.)
+
+    Why: replicas that share one tensor each feed its gradient accumulator, which adds what
+    reaches it in the order the engine runs the replicas' nodes, by their sequence numbers,
+    which each thread counts for itself: they depend on which thread ran which replica and on
+    what it ran before. Three replicas, or a tensor used twice in each, then sum in an order
+    that changes from call to call, and two identical runs (a run and its resumed twin) part in
+    the last bits, which training amplifies. (``torch.cuda.comm``'s reduction sums GPUs in
+    device order.)
+
+    How: a chain of aliases, ``link_0 = alias(t)``, ``link_i = alias(link_(i-1))``;
+    replica ``m-1-i`` of the ``m`` sharing ``t`` gets a view of ``link_i`` of its own, and
+    replica 0 the last link. Every link's gradient is then the sum of exactly two: what its
+    own replica's view collects (that replica's uses, in an order its own graph fixes) and
+    what the rest of the chain below it collects, and two addends sum alike in either order.
+    The engine adds them as it adds any gradients, in place where it can (a node that summed
+    the replicas' gradients itself would write each sum to new memory). The links are
+    ``aten.alias``, whose backward hands the gradient on as it is (sparse ones too).
+
+    With two replicas, only under ``torch.use_deterministic_algorithms(True)``: see below.
+    """
     if len(rows) < 2 or not torch.is_grad_enabled():
+        return
+    if len(rows) == 2 and not torch.are_deterministic_algorithms_enabled():
+        # Two replicas' gradients sum alike in either order (a + b is b + a, bit for bit); only
+        # a tensor that each uses more than once (an RNN's weights over its steps) sums in the
+        # engine's order. The chain costs ~5% of a small model's step, so, as torch leaves
+        # such orders to the engine unless deterministic algorithms are asked for, so does fdp.
         return
     tensors: list[torch.Tensor] = []
     holders: list[tuple[int, list[int]]] = []  # (leaf index, replicas) of each tensor's aliases
@@ -288,10 +272,13 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
                 holders.append((k, group))
     if not tensors:
         return
-    aliases = iter(_Share.apply(tuple(len(group) for _, group in holders), *tensors))
-    for k, group in holders:
-        for r in group:
-            rows[r][k] = next(aliases)
+    alias = torch.ops.aten.alias.default
+    for t, (k, group) in zip(tensors, holders):
+        link = alias(t)
+        for r in reversed(group[1:]):  # the first link's branch sums last
+            rows[r][k] = alias(link)
+            link = alias(link)
+        rows[group[0]][k] = link
 
 
 def _broadcast_cuda(
