@@ -212,7 +212,8 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     """Replaces, in ``rows`` (one list of leaves per replica), every CPU tensor that requires
     grad and that several replicas got as the same object (at the given leaf ``indices``) by one
     view of it per replica, made so that the tensor's gradient is the sum of the replicas' in
-    replica order, the same on every call. Issued from the caller's thread, under grad mode.
+    replica order, the same on every call, under ``torch.use_deterministic_algorithms(True)``.
+    Issued from the caller's thread, under grad mode.
     (On CUDA devices, see :func:`alias_shared_leaves`.)
 
     Why: replicas that share one tensor each feed its gradient accumulator, which adds what
@@ -232,15 +233,15 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     the replicas' gradients itself would write each sum to new memory). The links are
     ``aten.alias``, whose backward hands the gradient on as it is (sparse ones too).
 
-    With two replicas, only under ``torch.use_deterministic_algorithms(True)``: see below.
+    Only under ``torch.use_deterministic_algorithms(True)``: see below.
     """
     if len(rows) < 2 or not torch.is_grad_enabled():
         return
-    if len(rows) == 2 and not torch.are_deterministic_algorithms_enabled():
-        # Two replicas' gradients sum alike in either order (a + b is b + a, bit for bit); only
-        # a tensor that each uses more than once (an RNN's weights over its steps) sums in the
-        # engine's order. The chain costs ~5% of a small model's step, so, as torch leaves
-        # such orders to the engine unless deterministic algorithms are asked for, so does fdp.
+    if not torch.are_deterministic_algorithms_enabled():
+        # The chain costs ~5% of a small model's step on 2 CPU replicas, ~11-16% on 3: as torch
+        # leaves such orders to the engine (atomic adds on GPUs) unless deterministic algorithms
+        # are asked for, so does fdp. (Two replicas' gradients sum alike in either order anyway,
+        # a + b being b + a bit for bit, but for a tensor that each uses more than once.)
         return
     tensors: list[torch.Tensor] = []
     holders: list[tuple[int, list[int]]] = []  # (leaf index, replicas) of each tensor's aliases

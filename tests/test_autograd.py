@@ -67,10 +67,9 @@ def test_replicated_inputs_get_the_same_gradient_on_every_call(
     # Replicas on one device share a replicated tensor; autograd's engine would add their
     # gradients in an order set by per-thread sequence numbers, which change from call to call
     # (three replicas, or two that use the tensor twice): identical steps then part in the last
-    # bits, and a resumed run is no longer the uninterrupted one. With two replicas, fdp keeps
-    # the order only under torch.use_deterministic_algorithms(True), as torch does.
-    if n == 2:
-        request.getfixturevalue("deterministic")
+    # bits, and a resumed run is no longer the uninterrupted one. fdp keeps the order under
+    # torch.use_deterministic_algorithms(True), as torch does on GPUs.
+    request.getfixturevalue("deterministic")
     torch.manual_seed(0)
     w = torch.randn(5, 5, requires_grad=True)
     x = torch.randn(6 * n, 5)
@@ -94,6 +93,7 @@ def test_replicated_inputs_get_the_same_gradient_on_every_call(
 
 
 @pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.usefixtures("deterministic")
 def test_data_parallel_gradients_are_the_same_on_every_call(n: int) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
@@ -107,21 +107,22 @@ def test_data_parallel_gradients_are_the_same_on_every_call(n: int) -> None:
     assert all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
 
 
-def test_two_replicas_get_a_shared_tensor_itself_unless_deterministic_algorithms_are_asked_for() -> None:
-    # Two gradients sum alike in either order: the chain of aliases, ~5% of a small step, is
-    # left out there (and a replica's tensor is the caller's leaf), unless asked for.
+@pytest.mark.parametrize("n", [2, 3])
+def test_replicas_get_a_shared_tensor_itself_unless_deterministic_algorithms_are_asked_for(n: int) -> None:
+    # The chain of aliases costs ~5-16% of a small step: left out (a replica's tensor is then
+    # the caller's leaf) unless asked for, as torch leaves such orders to the engine.
     w = torch.ones(3, requires_grad=True)
     seen = []
-    f = fdp.pmap(lambda w, x: seen.append(w.is_leaf) or x * w, in_axes=(None, 0), devices=cpus(2))
-    f(w, torch.ones(2, 3))
-    assert seen == [True, True]
+    f = fdp.pmap(lambda w, x: seen.append(w.is_leaf) or x * w, in_axes=(None, 0), devices=cpus(n))
+    f(w, torch.ones(n, 3))
+    assert seen == [True] * n
     torch.use_deterministic_algorithms(True)
     try:
         seen.clear()
-        f(w, torch.ones(2, 3))
+        f(w, torch.ones(n, 3))
     finally:
         torch.use_deterministic_algorithms(False)
-    assert seen == [False, False]
+    assert seen == [False] * n
 
 
 def test_unused_replicated_input_gets_no_grad() -> None:
