@@ -12,8 +12,9 @@ backward is the mirror transfer, so double backward works. Everywhere else (CPU,
 they are plain ``torch.split``/``Tensor.to``/``torch.cat``, which autograd already differentiates.
 A tensor whose target is the device it is on is never copied: replicas that share a device
 share the tensor (in a pmapped call, replicas on a worker's CUDA stream get a view of a leaf
-that requires grad: see :func:`alias_shared_leaves`; CPU replicas get aliases of a tensor that
-requires grad, whose gradients one node sums in replica order: see :func:`share_for_backward`).
+that requires grad: see :func:`alias_shared_leaves`; under deterministic algorithms, CPU
+replicas get aliases of a tensor that requires grad, whose gradients a chain of aliases sums in
+replica order: see :func:`share_for_backward`).
 
 The transfers into and out of the replicas are issued from the caller's thread on the current
 stream of each device; the replica workers wait on those streams before they start (see
@@ -212,9 +213,10 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     """Replaces, in ``rows`` (one list of leaves per replica), every CPU tensor that requires
     grad and that several replicas got as the same object (at the given leaf ``indices``) by one
     view of it per replica, made so that the tensor's gradient is the sum of the replicas' in
-    replica order, the same on every call, under ``torch.use_deterministic_algorithms(True)``.
-    Issued from the caller's thread, under grad mode.
-    (On CUDA devices, see :func:`alias_shared_leaves`.)
+    replica order, the same on every call. Issued from the caller's thread, by a caller that
+    checked that it is wanted (see ``_scatter._share_for_backward``: several replicas, grad mode,
+    ``torch.use_deterministic_algorithms(True)``). (On CUDA devices, see
+    :func:`alias_shared_leaves`.)
 
     Why: replicas that share one tensor each feed its gradient accumulator, which adds what
     reaches it in the order the engine runs the replicas' nodes, by their sequence numbers,
@@ -232,19 +234,8 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     The engine adds them as it adds any gradients, in place where it can (a node that summed
     the replicas' gradients itself would write each sum to new memory). The links are
     ``aten.alias``, whose backward hands the gradient on as it is (sparse ones too).
-
-    Only under ``torch.use_deterministic_algorithms(True)``: see below.
     """
-    if len(rows) < 2 or not torch.is_grad_enabled():
-        return
-    if not torch.are_deterministic_algorithms_enabled():
-        # The chain costs ~5% of a small model's step on 2 CPU replicas, ~11-16% on 3: as torch
-        # leaves such orders to the engine (atomic adds on GPUs) unless deterministic algorithms
-        # are asked for, so does fdp. (Two replicas' gradients sum alike in either order anyway,
-        # a + b being b + a bit for bit, but for a tensor that each uses more than once.)
-        return
-    tensors: list[torch.Tensor] = []
-    holders: list[tuple[int, list[int]]] = []  # (leaf index, replicas) of each tensor's aliases
+    alias = torch.ops.aten.alias.default
     everyone = list(range(len(rows)))
     strided = torch.strided
     for k in indices:
@@ -269,17 +260,11 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
                 and t.is_cpu
                 and t.layout == strided
             ):
-                tensors.append(t)
-                holders.append((k, group))
-    if not tensors:
-        return
-    alias = torch.ops.aten.alias.default
-    for t, (k, group) in zip(tensors, holders):
-        link = alias(t)
-        for r in reversed(group[1:]):  # the first link's branch sums last
-            rows[r][k] = alias(link)
-            link = alias(link)
-        rows[group[0]][k] = link
+                link = alias(t)
+                for r in reversed(group[1:]):  # the first link's branch sums last
+                    rows[r][k] = alias(link)
+                    link = alias(link)
+                rows[group[0]][k] = link
 
 
 def _broadcast_cuda(
