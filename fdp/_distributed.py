@@ -41,6 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from . import _split, _tree
 from ._state import PerReplica
@@ -1251,39 +1252,26 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         if isinstance(leaf, torch.Tensor):
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
     out = list(leaves)
+    what = ("fdp.distributed.broadcast", f"a broadcast from rank {src}")
     if not groups:
         # Nothing to send, but the trees are still compared: a process whose tree holds no
         # tensor would otherwise return while one whose tree holds some waits for it.
-        _collective(
-            "fdp.distributed.broadcast",
-            f"a broadcast from rank {src}",
-            None,
-            [],
-            kind="outside",
-            layout=layout,
-        )
+        _collective(*what, None, [], kind="outside", layout=layout)
     with torch.no_grad():
         for members in groups.values():
-            buffer = torch.cat([leaves[k].detach().reshape(-1) for k in members])
+            tensors = [leaves[k].detach() for k in members]
+            # cat, not _flatten_dense_tensors, which hands one tensor back as a view of it: the
+            # broadcast would write into the caller's leaf.
+            buffer = torch.cat([t.reshape(-1) for t in tensors])
 
             def issue(buffer: torch.Tensor = buffer) -> Any:
                 return dist.broadcast(buffer, src, async_op=True)
 
-            _, carried = _collective(
-                "fdp.distributed.broadcast",
-                f"a broadcast from rank {src}",
-                buffer,
-                [issue],
-                kind="outside",
-                layout=layout,
-            )
+            _, carried = _collective(*what, buffer, [issue], kind="outside", layout=layout)
             if carried is not None:
                 buffer = carried[src]
-            offset = 0
-            for k in members:
-                numel = leaves[k].numel()
-                value = buffer[offset : offset + numel].view(leaves[k].shape).clone()
-                offset += numel
+            for k, piece in zip(members, _unflatten_dense_tensors(buffer, tensors)):
+                value = piece.clone()  # a tensor of its own, not a view of the buffer
                 if isinstance(leaves[k], nn.Parameter):  # a model's parameter stays one
                     out[k] = nn.Parameter(value, requires_grad=leaves[k].requires_grad)
                 else:

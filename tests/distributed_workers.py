@@ -377,14 +377,18 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
     try:
         for src in (0, 1):
             out = fdp.distributed.broadcast(state, src=src)
-            mine = [
-                id(t.untyped_storage()) for t in fdp._tree.flatten(state)[0] if isinstance(t, torch.Tensor)
-            ]
-            shared = any(
-                id(t.untyped_storage()) in mine or t.data_ptr() == s.data_ptr()
-                for t, s in zip(fdp._tree.flatten(out)[0], fdp._tree.flatten(state)[0])
+            # Memory of its own: none of the given leaves', and none another result's.
+            mine = {
+                t.untyped_storage().data_ptr()
+                for t in fdp._tree.flatten(state)[0]
                 if isinstance(t, torch.Tensor)
-            )
+            }
+            got = [
+                t.untyped_storage().data_ptr()
+                for t in fdp._tree.flatten(out)[0]
+                if isinstance(t, torch.Tensor)
+            ]
+            shared = any(p in mine for p in got) or len(set(got)) < len(got)
             result[f"from{src}"] = values(out) | {"shared": shared}
         result["transposed"] = timed_outcome(
             lambda: fdp.distributed.broadcast({"w": torch.ones(2 + rank, 3 - rank)})

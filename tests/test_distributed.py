@@ -263,7 +263,9 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
     for r in results:
         for src in (0, 1):
             got = dict(r[f"from{src}"])
-            assert got.pop("shared") is False, "a result shares memory with the given state"
+            assert got.pop("shared") is False, (
+                "a result shares memory with the given state or with another result"
+            )
             # Bit for bit (float() of bfloat16/int64/bool is exact), the dtypes and requires_grad kept.
             expected = {path: value for path, value in own[src].items() if path != "state['step']"}
             assert {path: value for path, value in got.items() if path != "state['step']"} == expected
