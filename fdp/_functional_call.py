@@ -327,6 +327,13 @@ def _rebind_attributes(
     return keys, snapshot
 
 
+def _copy_of(obj: Any, copies: dict[int, Any]) -> Any:
+    """The skeleton's copy of ``obj`` if it is a module of the tree (and not a new object with a
+    dead module's id), else None. (``refresh`` makes the same test inline, once per child.)"""
+    pair = copies.get(id(obj))
+    return pair[1] if pair is not None and pair[0]() is obj else None
+
+
 def _rebound(
     value: Any,
     copies: dict[int, Any],
@@ -359,15 +366,15 @@ def _rebound(
     if isinstance(value, torch.Tensor):  # (the usual item of a list or dict looked at every call)
         return value, _UNKEPT
     if kind is types.MethodType:
-        pair = copies.get(id(value.__self__))
-        if pair is not None and pair[0]() is value.__self__:
-            method = types.MethodType(value.__func__, pair[1])
+        copy = _copy_of(value.__self__, copies)
+        if copy is not None:
+            method = types.MethodType(value.__func__, copy)
             made.append(method)
             return method, _UNKEPT
         return value, _UNKEPT
     if isinstance(value, nn.Module):
-        pair = copies.get(id(value))
-        return (pair[1] if pair is not None and pair[0]() is value else value), _UNKEPT
+        copy = _copy_of(value, copies)
+        return (value if copy is None else copy), _UNKEPT
     if isinstance(value, (type, enum.Enum)):
         return value, value
     if depth == 0:
