@@ -885,12 +885,7 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
         return (
             f"fdp.distributed: the processes passed different shapes or dtypes to {name} ({detail}, "
             f"{when}): {passed}. Every process must pass the same shapes and dtypes. "
-            + (
-                _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
-                if len({tensor.partition("[")[2] for (*_, tensor, _) in entries}) > 1
-                # Uneven batches change shapes, not dtypes: a branch on the data does.
-                else "Cast to one dtype before the call."
-            )
+            + _mismatch_advice(detail, [tensor for (*_, tensor, _) in entries])
         )
 
     def called(entry: list[str]) -> str:
@@ -945,13 +940,17 @@ def _layout_disagreement(name: str, detail: str, when: str, layouts: list[Any]) 
     return (
         f"fdp.distributed: the processes passed different shapes or dtypes to {name} at "
         f"{paths[k]} ({detail}, {when}): {passed}. Every process must pass the same "
-        "structure, shapes and dtypes. "
-        + (
-            _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
-            if len({value.partition("[")[2] for value in values}) > 1
-            else "Cast to one dtype before the call."
-        )
+        "structure, shapes and dtypes. " + _mismatch_advice(detail, values)
     )
+
+
+def _mismatch_advice(detail: str, described: list[str]) -> str:
+    """What to do about values the processes passed as ``described`` (``dtype[shape]`` each) to
+    a collective of ``detail``: shapes that differ come from uneven batches, dtypes that
+    differ do not (a branch on the data does)."""
+    if len({value.partition("[")[2] for value in described}) > 1:
+        return _split.equal_shapes_hint(reduction="all_reduce" in detail, among="batches between processes")
+    return "Cast to one dtype before the call."
 
 
 def _travels(data: torch.Tensor, world: int) -> bool:
