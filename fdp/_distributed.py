@@ -1002,7 +1002,8 @@ def _agree(
 def _spelled_out(state: _State, layout: Layout | None, what: str) -> list[Any]:
     """Every process's ``layout.describe()`` (``None`` for a process without a layout), in rank
     order: two all_gathers, the texts' lengths and then the texts. Only for a message, after the
-    entries showed that the layouts differ."""
+    entries showed that the layouts differ. (Not ``dist.all_gather_object``, which waits
+    without :func:`_wait`'s watch for a failed rank.)"""
     try:
         spelled = None if layout is None else layout.describe()
     except Exception as error:  # noqa: BLE001
