@@ -14,8 +14,10 @@ Differentiation, two ways:
 
 * Through the whole pmapped call (``loss.backward()`` on its output, the usual case): the
   combination is made of ordinary differentiable torch ops on the replicas' actual tensors, so
-  the autograd graph spans the replicas and every transpose is exact by construction. Such
-  results refuse to be differentiated *inside* a replica while the call runs (the graph there
+  the autograd graph spans the replicas and every transpose is exact by construction (under
+  deterministic algorithms, a tensor that feeds every replica's result reaches each through an
+  alias of its own, so that its gradient adds theirs in replica order: :func:`_in_replica_order`).
+  Such results refuse to be differentiated *inside* a replica while the call runs (the graph there
   is only partly built), with an error that says what to do instead.
 * Inside a replica, under ``torch.func.grad``/``vjp``/``vmap``: the collective is a custom
   autograd function whose backward is the transposed collective, run by every replica's
@@ -287,18 +289,49 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
 def _distribute(
     total: torch.Tensor, devices: Sequence[torch.device], inputs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """One tensor per replica with ``total``'s value, none aliasing another or an input."""
+    """One tensor per replica with ``total``'s value, none aliasing another or an input.
+
+    Each device's copy feeds every replica on that device: under deterministic algorithms they
+    get it through :func:`_transfer.fan_out`, so that its gradient adds theirs in replica order
+    (see :func:`_in_replica_order`)."""
     unique = list(dict.fromkeys(devices))
     placed = dict(zip(unique, (row[0] for row in _transfer.broadcast([total], unique))))
+    views = None
+    if len(unique) < len(devices) and _in_replica_order(total):
+        views = {d: iter(_transfer.fan_out(placed[d], devices.count(d))) for d in unique}
     handed: set[int] = {id(t) for t in inputs}
     out = []
     for d in devices:
-        t = placed[d]
-        if id(t) in handed:
+        copy = placed[d]
+        t = copy if views is None else next(views[d])
+        if id(copy) in handed:
             t = t.clone()
-        handed.add(id(t))
+        handed.add(id(copy))
         out.append(t)
     return out
+
+
+def _in_replica_order(t: torch.Tensor) -> bool:
+    """Whether the gradients that reach ``t`` from several replicas must be added in replica
+    order: under ``torch.use_deterministic_algorithms(True)``, for a tensor autograd follows.
+
+    Otherwise the engine adds them in the order it runs the replicas' nodes, which changes from
+    call to call (see ``_transfer.share_for_backward``): with three replicas or more, or a
+    result used twice, the gradients of a backward through the whole call then differ in the
+    last bits between identical calls.
+    """
+    return t.requires_grad and torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
+
+
+def _fanned(buffers: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """For each replica, the buffers it combines by itself (``_Op.combine_each``): ``buffers``,
+    or under deterministic algorithms aliases of them of its own (see :func:`_in_replica_order`),
+    so that each buffer's gradient adds the replicas' in replica order."""
+    n = len(buffers)
+    if not any(_in_replica_order(b) for b in buffers):
+        return [buffers] * n
+    views = [_transfer.fan_out(b, n) if b.requires_grad else [b] * n for b in buffers]
+    return [[v[r] for v in views] for r in range(n)]
 
 
 _OpT = TypeVar("_OpT", bound="_Op")
@@ -461,10 +494,12 @@ class _AllReduce(_Op):
         if any(b.device.type != "cpu" for b in buffers):
             # CUDA tensors (in CPU replicas): combine, whose streams wait for every replica's.
             return None
+        own = _fanned(buffers)
 
         def result(r: int) -> torch.Tensor:
             # The same operations in the same order on every replica: equal results, bit for
             # bit, and each replica's is a new tensor of its own.
+            buffers = own[r]
             if scaling == "weighted_in":
                 return _weighted_sum(buffers, [w / weight_sum for w in extras], buffers[0].device)
             total = buffers[0] + buffers[1]

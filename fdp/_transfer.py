@@ -235,7 +235,6 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
     the replicas' gradients itself would write each sum to new memory). The links are
     ``aten.alias``, whose backward hands the gradient on as it is (sparse ones too).
     """
-    alias = torch.ops.aten.alias.default
     everyone = list(range(len(rows)))
     strided = torch.strided
     for k in indices:
@@ -260,11 +259,23 @@ def share_for_backward(rows: list[list[Any]], indices: Sequence[int]) -> None:
                 and t.is_cpu
                 and t.layout == strided
             ):
-                link = alias(t)
-                for r in reversed(group[1:]):  # the first link's branch sums last
-                    rows[r][k] = alias(link)
-                    link = alias(link)
-                rows[group[0]][k] = link
+                for r, view in zip(group, fan_out(t, len(group))):
+                    rows[r][k] = view
+
+
+def fan_out(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` aliases of ``t``, one for each of ``n`` consumers (replicas), whose gradients
+    reach ``t`` summed in a fixed order: ``g_(n-1) + (g_(n-2) + (... + g_0))``, whatever order
+    the engine runs the consumers' nodes in (see :func:`share_for_backward`, which explains
+    the chain). Each alias shares ``t``'s memory and version counter."""
+    alias = torch.ops.aten.alias.default
+    views: list[torch.Tensor] = [t] * n
+    link = alias(t)
+    for r in reversed(range(1, n)):  # the first link's branch sums last
+        views[r] = alias(link)
+        link = alias(link)
+    views[0] = link
+    return views
 
 
 def _broadcast_cuda(

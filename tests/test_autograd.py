@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -103,6 +105,82 @@ def test_data_parallel_gradients_are_the_same_on_every_call(n: int) -> None:
     for _ in range(20):
         model.zero_grad(set_to_none=True)
         model(x).square().sum().backward()
+        grads.append([p.grad for p in net.parameters()])
+    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
+
+
+COLLECTIVES = {
+    "psum": lambda v: fdp.psum(v, "i"),
+    "pmean": lambda v: fdp.pmean(v, "i"),
+    "weighted pmean": lambda v: fdp.pmean(v, "i", weight=float(fdp.axis_index("i") + 1)),
+    "pmax": lambda v: fdp.pmax(v, "i"),
+    "all_gather": lambda v: fdp.all_gather(v, "i").sum(0),
+}
+
+
+class ShuffledEngineOrder:
+    """Runs calls whose replicas make their autograd nodes in an order that changes from call
+    to call. The engine runs nodes by sequence numbers, which each thread counts for itself:
+    every call here runs in new threads (the workers retired, the caller a new thread), and each
+    replica first makes a number of nodes that rotates over the replicas from call to call."""
+
+    def __init__(self, axis_name: str) -> None:
+        self.axis_name, self.call = axis_name, 0
+
+    def count_nodes(self) -> None:
+        """Inside a replica: makes its share of nodes in this call."""
+        one = torch.ones((), requires_grad=True)
+        for _ in range(100 * ((self.call + fdp.axis_index(self.axis_name)) % 4)):
+            one = one * 1.0
+
+    def __call__(self, f: Any, *args: Any) -> Any:
+        self.call += 1
+        fdp._pool._retire(list(fdp._pool._WORKERS.values()))
+        with concurrent.futures.ThreadPoolExecutor(1) as caller:
+            return caller.submit(f, *args).result()
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+@pytest.mark.usefixtures("deterministic")
+def test_collectives_differentiated_through_the_call_give_the_same_gradient_every_call(name: str) -> None:
+    # Each replica's value feeds every replica's result (or one total feeds them all): the
+    # engine would add those gradients in the order it runs the replicas' nodes, which changes
+    # from call to call; magnitudes far apart make every order's rounding show.
+    collective, shuffled = COLLECTIVES[name], ShuffledEngineOrder("i")
+    torch.manual_seed(0)
+    x = (torch.randn(16, 64) * torch.logspace(-4, 4, 16)[:, None]).requires_grad_()
+    f = fdp.pmap(
+        lambda x: shuffled.count_nodes() or (collective(x.tanh()) * x).square(),
+        axis_name="i",
+        devices=cpus(4),
+    )
+    grads = []
+    for _ in range(12):
+        x.grad = None
+        shuffled(f, x).sum().backward()
+        grads.append(x.grad)
+    assert all(torch.equal(g, grads[0]) for g in grads)
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_sync_batch_norm_gradients_are_the_same_on_every_call() -> None:
+    shuffled = ShuffledEngineOrder("b")
+
+    class CountNodes(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shuffled.count_nodes()
+            return x
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        CountNodes(), nn.Linear(4, 16), fdp.SyncBatchNorm(16, axis_name="b"), nn.Tanh(), nn.Linear(16, 2)
+    )
+    model = fdp.DataParallel(net, device_ids=cpus(4), axis_name="b")
+    x = torch.randn(24, 4) * torch.logspace(-3, 3, 24)[:, None]
+    grads = []
+    for _ in range(12):
+        model.zero_grad(set_to_none=True)
+        shuffled(model, x).square().sum().backward()
         grads.append([p.grad for p in net.parameters()])
     assert all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
 
