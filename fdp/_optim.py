@@ -42,6 +42,7 @@ from ._state import PerReplica
 __all__ = [
     "GradientTransformation",
     "TransformUpdateFn",
+    "Schedule",
     "EmptyState",
     "SgdState",
     "AdamState",
@@ -54,6 +55,11 @@ __all__ = [
 ]
 
 Tree = Any
+
+Schedule = Callable[[int], float]
+"""A learning rate that changes with the step (optax's ``Schedule``): called with the number of
+steps taken before the one it is for (0 for the first), as ``torch.optim.lr_scheduler.LambdaLR``
+gives ``lr_lambda`` the count of its ``step()`` calls."""
 
 
 class TransformUpdateFn(Protocol):
@@ -438,8 +444,32 @@ def _check_non_negative(name: str, **values: float) -> None:
             raise ValueError(f"fdp.optim.{name}: {what} must be non-negative, got {value!r}")
 
 
+def _learning_rate(lr: float | Schedule, name: str) -> Schedule:
+    """``lr`` as a schedule: a number, checked now, or a schedule, each of whose values is
+    checked when a step takes it (a negative or NaN one would step uphill, or poison every
+    parameter, silently)."""
+    if not callable(lr):
+        try:
+            _check_non_negative(name, lr=lr)
+        except TypeError:
+            raise TypeError(
+                f"fdp.optim.{name}: lr must be a non-negative number or a Schedule (a function of "
+                f"the steps taken), got {type(lr).__name__}: {_tree.short_repr(lr)}"
+            ) from None
+        return lambda step: lr
+    schedule = lr
+
+    def scheduled(step: int) -> float:
+        value = schedule(step)
+        if not torch.compiler.is_compiling():  # dynamo would guard on the value (a recompile)
+            _check_non_negative(name, **{f"lr, a schedule, at step {step},": value})
+        return value
+
+    return scheduled
+
+
 def sgd(
-    lr: float,
+    lr: float | Schedule,
     *,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -449,7 +479,8 @@ def sgd(
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
     Args:
-        lr: the learning rate.
+        lr: the learning rate: a number, or a :data:`Schedule`, a function of the steps taken
+            before this one (``lambda step: 0.1 * 0.9**step``), as a ``LambdaLR`` would set it.
         momentum: the momentum factor, non-negative. Default: ``0.0``.
         dampening: dampening for momentum (not applied on the first step, as in torch).
             Default: ``0.0``.
@@ -466,7 +497,8 @@ def sgd(
         >>> optim.apply_updates(params, updates)
         {'w': tensor([0.9000, 0.9000])}
     """
-    _check_non_negative("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
+    learning_rate = _learning_rate(lr, "sgd")
+    _check_non_negative("sgd", momentum=momentum, weight_decay=weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
 
@@ -489,7 +521,9 @@ def sgd(
                 torch._foreach_add_(buffers, g, alpha=1 - dampening)
             g = torch._foreach_add(g, buffers, alpha=momentum) if nesterov else buffers
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
-        return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
+        return torch._foreach_add(p, g, alpha=-learning_rate(state.step)), SgdState(
+            state.step + 1, new_momentum
+        )
 
     return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else ())
 
@@ -513,9 +547,16 @@ def _as_complex(leaves: Leaves, like: Leaves) -> Leaves:
 
 
 def _adam(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool, name: str
+    lr: float | Schedule,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    *,
+    decoupled: bool,
+    name: str,
 ) -> GradientTransformation:
-    _check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
+    learning_rate = _learning_rate(lr, name)
+    _check_non_negative(name, eps=eps, weight_decay=weight_decay)
     try:
         beta1, beta2 = betas
         in_range = 0 <= beta1 < 1 and 0 <= beta2 < 1
@@ -538,6 +579,7 @@ def _adam(
         number = state.step + 1
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
             return [], AdamState(number, _tree.unflatten(spec, []), _tree.unflatten(spec, []))
+        lr = learning_rate(state.step)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
@@ -567,7 +609,7 @@ def _adam(
 
 
 def adam(
-    lr: float = 1e-3,
+    lr: float | Schedule = 1e-3,
     *,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -576,7 +618,8 @@ def adam(
     """Adam, as ``torch.optim.Adam`` (``weight_decay`` is an L2 penalty on the gradient).
 
     Args:
-        lr: the learning rate. Default: ``1e-3``.
+        lr: the learning rate: a number, or a :data:`Schedule` of the steps taken before this
+            one, as a ``LambdaLR`` would set it (see :func:`sgd`). Default: ``1e-3``.
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator, non-negative. Default: ``1e-8``.
         weight_decay: L2 penalty, non-negative. Default: ``0.0``.
@@ -594,7 +637,7 @@ def adam(
 
 
 def adamw(
-    lr: float = 1e-3,
+    lr: float | Schedule = 1e-3,
     *,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -603,7 +646,8 @@ def adamw(
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
     Args:
-        lr: the learning rate. Default: ``1e-3``.
+        lr: the learning rate: a number, or a :data:`Schedule` of the steps taken before this
+            one, as a ``LambdaLR`` would set it (see :func:`sgd`). Default: ``1e-3``.
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator, non-negative. Default: ``1e-8``.
         weight_decay: decoupled weight decay, non-negative. Default: ``1e-2``.

@@ -423,3 +423,31 @@ def test_a_compiled_step_taking_the_optimizer_as_an_argument_runs_each_optimizer
         expected, _ = opt.apply_gradients(grads, opt.init(params), params)
         got, _ = step(opt, grads, opt.init(params), params)
         torch.testing.assert_close(got["w"], expected["w"])
+
+
+def test_a_learning_rate_schedule_compiles_once_not_once_per_step() -> None:
+    """The schedule's step count is a Python int of the resident state: dynamo compiles it as a
+    constant, then once as a dynamic value, and the compiled steps follow the schedule."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    opt = optim.adamw(lambda step: 1e-2 * 0.8**step, weight_decay=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        loss = lambda p: F.mse_loss(fdp.functional_call(model, p, (x,)), y)  # noqa: E731
+        grads = fdp.pmean(torch.func.grad(loss)(state["params"]), "b")
+        new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        return {"params": new_params, "opt": opt_state}
+
+    recorder = GraphRecorder()
+    results, compiled_by_step = [], []
+    for compile in (False, {"backend": recorder}):
+        mapped = fdp.pmap(step, axis_name="b", devices=cpus(2), out_axes=fdp.PER_REPLICA, compile=compile)
+        state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(2))
+        for _ in range(6):
+            state = mapped(state, x, y)
+            compiled_by_step.append(recorder.calls)
+        results.append(fdp.unreplicate(state)["params"])
+    torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-5)
+    assert compiled_by_step[-1] == compiled_by_step[-4] > 0  # nothing compiled in the last 3 steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,41 @@ class Clipped:
 CONFIGS["clip_then_adamw"] = (
     lambda p: Clipped(torch.optim.AdamW(p, lr=1e-2), p, 0.5),  # type: ignore[dict-item]
     lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2)),
+)
+
+
+def warmup_cosine(step: int) -> float:
+    """A factor of the learning rate: 10 steps of warm-up, then a cosine decay over 100."""
+    return min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / 100))
+
+
+class Scheduled:
+    """torch.optim with a LambdaLR stepped after each step, as one 'optimizer'."""
+
+    def __init__(self, inner: torch.optim.Optimizer, factor: Callable[[int], float]) -> None:
+        self.inner = inner
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(inner, factor)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        self.inner.step()
+        self.scheduler.step()
+
+
+# A schedule gives at step k what LambdaLR gives after k of its steps: base_lr * factor(k).
+CONFIGS["sgd_momentum_scheduled"] = (
+    lambda p: Scheduled(torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-2), warmup_cosine),  # type: ignore[dict-item]
+    lambda: optim.sgd(lambda k: 0.05 * warmup_cosine(k), momentum=0.9, weight_decay=1e-2),
+)
+CONFIGS["adam_scheduled"] = (
+    lambda p: Scheduled(torch.optim.Adam(p, lr=1e-2), lambda k: 0.9**k),  # type: ignore[dict-item]
+    lambda: optim.adam(lambda k: 1e-2 * 0.9**k),
+)
+CONFIGS["adamw_scheduled"] = (
+    lambda p: Scheduled(torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), warmup_cosine),  # type: ignore[dict-item]
+    lambda: optim.adamw(lambda k: 1e-2 * warmup_cosine(k), weight_decay=0.1),
 )
 
 
@@ -616,17 +652,20 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
         (
             lambda: optim.sgd("0.1"),
             TypeError,
-            r"^fdp\.optim\.sgd: lr must be a non-negative number, got str: '0\.1'$",
+            r"^fdp\.optim\.sgd: lr must be a non-negative number or a Schedule \(a function of the steps "
+            r"taken\), got str: '0\.1'$",
         ),
         (
             lambda: optim.adam(None),
             TypeError,
-            r"^fdp\.optim\.adam: lr must be a non-negative number, got NoneType: None$",
+            r"^fdp\.optim\.adam: lr must be a non-negative number or a Schedule \(a function of the "
+            r"steps taken\), got NoneType: None$",
         ),
         (
-            lambda: optim.adamw(lambda step: 1e-3),
+            lambda: optim.adamw([1e-3]),
             TypeError,
-            r"^fdp\.optim\.adamw: lr must be a non-negative number, got function: <function ",
+            r"^fdp\.optim\.adamw: lr must be a non-negative number or a Schedule \(a function of the "
+            r"steps taken\), got list: \[0\.001\]$",
         ),
         (
             lambda: optim.sgd(0.1, momentum="0.9"),
@@ -679,6 +718,47 @@ def test_hyperparameters_of_the_wrong_type_are_named(
 ) -> None:
     with pytest.raises(error, match=match):
         make()
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (-0.1, ValueError, r"^fdp\.optim\.sgd: lr, a schedule, at step 2, must be non-negative, got -0\.1$"),
+        (
+            math.nan,
+            ValueError,
+            r"^fdp\.optim\.sgd: lr, a schedule, at step 2, must be non-negative, got nan$",
+        ),
+        (
+            "0.1",
+            TypeError,
+            r"^fdp\.optim\.sgd: lr, a schedule, at step 2, must be a non-negative number, got str: '0\.1'$",
+        ),
+    ],
+)
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+def test_a_schedule_value_torch_optim_would_refuse_is_named_with_its_step(
+    value: Any, error: type, match: str, one_pass: bool
+) -> None:
+    # A negative rate steps uphill and NaN poisons every parameter, silently: the schedule is
+    # a function of the step, so its value is checked when the step takes it.
+    opt = optim.sgd(lambda step: 0.1 if step < 2 else value)
+    params, grads = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    state = opt.init(params)
+    for _ in range(2):
+        params, state = opt.apply_gradients(grads, state, params)
+    with pytest.raises(error, match=match):
+        opt.apply_gradients(grads, state, params) if one_pass else opt.update(grads, state, params)
+
+
+def test_a_schedule_is_given_the_steps_taken_before() -> None:
+    seen: list[int] = []
+    opt = optim.adam(lambda step: seen.append(step) or 1e-3)
+    params = {"w": torch.ones(2)}
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = opt.apply_gradients({"w": torch.ones(2)}, state, params)
+    assert seen == [0, 1, 2] and state.step == 3
 
 
 _ONE = [torch.zeros(1, requires_grad=True)]
