@@ -456,18 +456,22 @@ class _AllReduce(_Op):
             # Every replica then gets a copy.
             return _distribute(total, devices, [*buffers, total] if total.requires_grad else buffers)
         weight_sum = self._weight_sum(extras, group)
+        dtype = buffers[0].dtype
         if self.scaling == "weighted_in":
-            total = _weighted_sum(buffers, [w / weight_sum for w in extras], destination)
+            total = _summed(buffers, destination, [w / weight_sum for w in extras])
         else:
-            total = _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
+            total = _summed(buffers, destination)
+        # A half-precision total is float32 until the end (see _summed), across processes too:
+        # a float16 sum past 65504 that pmean divides back into range must not be inf on the way.
         if group.distributed:
             total = _distributed.all_reduce(total, "sum", self.label(), layout=layout)
         if self.scaling == "mean":
             total = total / group.global_size
-        results = _distribute(total, devices, buffers)
         if self.scaling == "weighted_out":
-            results = [t * (w / weight_sum) for t, w in zip(results, extras)]
-        return results
+            return [
+                (t * (w / weight_sum)).to(dtype) for t, w in zip(_distribute(total, devices, buffers), extras)
+            ]
+        return _distribute(total.to(dtype), devices, buffers)
 
     def defers(self, group: _replica.CallGroup) -> bool:
         # Sums of CPU buffers in one process. Computed by the last replica to arrive, a
@@ -495,21 +499,24 @@ class _AllReduce(_Op):
             # CUDA tensors (in CPU replicas): combine, whose streams wait for every replica's.
             return None
         own = _fanned(buffers)
+        dtype = buffers[0].dtype
+        wide = _ACCUMULATE_IN.get(dtype)
 
         def result(r: int) -> torch.Tensor:
             # The same operations in the same order on every replica: equal results, bit for
-            # bit, and each replica's is a new tensor of its own.
+            # bit, and each replica's is a new tensor of its own. Half-precision buffers are
+            # added in float32 and rounded once, at the end (see _summed).
             buffers = own[r]
             if scaling == "weighted_in":
-                return _weighted_sum(buffers, [w / weight_sum for w in extras], buffers[0].device)
-            total = buffers[0] + buffers[1]
+                return _summed(buffers, buffers[0].device, [w / weight_sum for w in extras]).to(dtype)
+            total = buffers[0] + buffers[1] if wide is None else buffers[0].to(wide).add_(buffers[1])
             for b in buffers[2:]:
                 total = total.add_(b)
             if scaling == "mean":
-                return total.div_(size)
-            if scaling == "weighted_out":
-                return total.mul_(extras[r] / weight_sum)
-            return total
+                total = total.div_(size)
+            elif scaling == "weighted_out":
+                total = total.mul_(extras[r] / weight_sum)
+            return total.to(dtype)
 
         return result
 
@@ -534,18 +541,36 @@ class _AllReduce(_Op):
         return weight_sum
 
 
-def _weighted_sum(
-    buffers: list[torch.Tensor], scales: list[float], destination: torch.device
+# Half-precision floats are summed in float32 and rounded once, at the end, as torch.sum and
+# torch.mean accumulate them on one device. Added in their own dtype, every partial sum rounds
+# (an error that grows with the number of replicas), and a float16 sum past 65504 is inf before
+# pmean divides it, where the mean itself fits.
+_ACCUMULATE_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def _summed(
+    buffers: list[torch.Tensor], destination: torch.device, scales: list[float] | None = None
 ) -> torch.Tensor:
-    """``sum_r scales[r] * buffers[r]`` on ``destination``, accumulated in replica order."""
-    if all(b.device == destination for b in buffers):
-        # One new tensor and one pass per buffer: a gradient buffer is megabytes, and scaling
-        # each one into a tensor of its own before adding would allocate and write it twice.
-        total = buffers[0] * scales[0]
-        for b, scale in zip(buffers[1:], scales[1:]):
-            total = total.add_(b, alpha=scale)
-        return total
-    return _transfer.reduce_add([b * s for b, s in zip(buffers, scales)], destination)
+    """``sum_r scales[r] * buffers[r]`` (``sum_r buffers[r]`` without ``scales``) on
+    ``destination``, accumulated in replica order. Half-precision buffers are accumulated in
+    float32, and the total is returned in float32: the caller rounds it once, after its last
+    operation on it. Otherwise the total has the buffers' dtype and may be ``buffers[0]``
+    itself (a single buffer, unscaled)."""
+    wide = _ACCUMULATE_IN.get(buffers[0].dtype)
+    if wide is None and scales is None:
+        return _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
+    if wide is None and scales is not None and any(b.device != destination for b in buffers):
+        return _transfer.reduce_add([b * s for b, s in zip(buffers, scales)], destination)
+    # One new tensor and one pass per buffer: a gradient buffer is megabytes, and scaling (or
+    # widening) each one into a tensor of its own before adding would allocate and write it twice.
+    first = _transfer.to_device(buffers[0], destination)
+    if wide is not None:
+        first = first.to(wide)  # a new tensor: the buffer is half-precision
+    total = first if scales is None else first * scales[0]
+    for r, b in enumerate(buffers[1:], 1):
+        b = _transfer.to_device(b, destination)
+        total = total.add_(b) if scales is None else total.add_(b, alpha=scales[r])
+    return total
 
 
 def _gathered(
@@ -596,9 +621,10 @@ class _ReduceScatter(_Op):
     ) -> list[torch.Tensor]:
         destination = buffers[0].device
         moved = [_transfer.to_device(b, destination) for b in buffers]
-        total = _transfer.reduce_add(moved, destination) if len(moved) > 1 else moved[0]
+        total = _summed(moved, destination)  # half precision: in float32 (see _summed)
         if group.distributed:
             total = _distributed.all_reduce(total, "sum", self.label(), layout=layout)
+        total = total.to(buffers[0].dtype)
         return [_transfer.to_device(total[group.offset + r], b.device).clone() for r, b in enumerate(buffers)]
 
 

@@ -68,6 +68,12 @@ def collectives(rank: int, world: int, folder: str) -> None:
                 shard
             ).tolist(),
         }
+        # float16 over the processes: a mean whose sum (4 x 40000) is past float16's range, and a
+        # sum of 4 replicas rounded once, as torch.sum rounds it, not at each replica and rank.
+        out["pmean_float16"] = f(lambda x: fdp.pmean(torch.full((1,), 40000.0, dtype=torch.float16), "i"))(
+            shard
+        ).tolist()
+        out["psum_float16"] = f(lambda x: fdp.psum((x * 301.7).to(torch.float16), "i"))(shard).tolist()
         # Batch norm over the 4 replicas of both processes: the whole batch's statistics.
         norm = fdp.SyncBatchNorm(2, axis_name="i", track_running_stats=False)
         out["sync_batch_norm"] = f(lambda x: norm(torch.cat([x, x.square()], 1)))(shard).tolist()

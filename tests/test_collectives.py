@@ -83,6 +83,40 @@ def test_collectives_over_dicts_with_mixed_dtypes() -> None:
     torch.testing.assert_close(means["b"], tree["b"].mean(0, keepdim=True).expand(N, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["eager", "vmap"])
+def test_half_precision_sums_round_once_as_over_the_batch(dtype: torch.dtype, mode: str) -> None:
+    # torch.sum and torch.mean add float16/bfloat16 values in float32 and round once. Added in
+    # their own dtype, replica after replica, the sums of 8 replicas were off by several units
+    # in the last place in most elements. Eager, each replica adds the buffers itself
+    # (combine_each); under torch.func (vmap), one combine computes every replica's result.
+    n = 8
+    x = (torch.randn(n, 64) * torch.logspace(-2, 2, 64)).to(dtype)
+    tree = {"half": x, "single": x.float() / 3, "double": x.double() / 3}
+
+    def collect(t: Any) -> Any:
+        return fdp.psum(t, "i"), fdp.pmean(t, "i"), fdp.pmean(t, "i", weight=1.0)
+
+    sums, means, weighted = per_row(collect if mode == "eager" else torch.func.vmap(collect), n=n)(tree)
+    for key, leaf in tree.items():  # each leaf reduced in its own dtype, none cast through another
+        for got, expected in ((sums, leaf.sum(0)), (means, leaf.mean(0)), (weighted, leaf.mean(0))):
+            assert got[key].dtype == leaf.dtype, key
+            torch.testing.assert_close(got[key], expected.expand(n, -1), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "vmap"])
+def test_float16_means_do_not_overflow_where_the_mean_fits(mode: str) -> None:
+    # 40000 + 40000 is past float16's 65504: summed in float16, the mean was inf.
+    x = torch.full((2, 3), 40000.0, dtype=torch.float16)
+
+    def collect(x: torch.Tensor) -> Any:
+        return fdp.pmean(x, "i"), fdp.pmean(x, "i", weight=x.shape[0]), fdp.psum(x, "i")
+
+    mean, weighted, total = per_row(collect if mode == "eager" else torch.func.vmap(collect), n=2)(x)
+    assert torch.equal(mean, x) and torch.equal(weighted, x)
+    assert torch.equal(total, x.sum(0).expand(2, -1))  # inf, as torch.sum gives
+
+
 def test_trees_of_many_shapes_and_layouts_keep_them_and_their_gradients() -> None:
     # Several leaves share one flat buffer per dtype: empty, non-contiguous and 0-dim-per-row
     # leaves must come back in their shapes, with values and gradients as over the batch.

@@ -65,6 +65,12 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
         assert r["all_gather"] == [[3.0, 7.0, 11.0, 15.0]] * 2
         assert r["psum_large"] == [36.0 * 2999] * 2
         assert r["all_gather_large"] == [[3.0, 7.0, 11.0, 15.0]] * 2
+        assert r["pmean_float16"] == [40000.0] * 2
+    # Each replica's 2 rows of x * 301.7 in float16, summed over the 4 replicas in float32 and
+    # rounded once, as torch.sum rounds the same values (each step rounded: 6032, not 6036).
+    halves = (torch.arange(1.0, 9.0) * 301.7).to(torch.float16).reshape(4, 2)
+    expected_sum = [[v] for v in halves.sum(0).tolist()] * 2  # 2 local replicas, 2 rows each
+    assert all(r["psum_float16"] == expected_sum for r in results), [r["psum_float16"] for r in results]
     # Each rank's backward() differentiates the sum of every rank's output (psum's transpose sums
     # all cotangents) with respect to its own inputs: 2 ranks x its own rows' 2 * 2 * x^2.
     assert rank0["outer_grad"] == pytest.approx(2 * 2 * 2 * sum(v * v for v in range(1, 5)))
