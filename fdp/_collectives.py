@@ -36,7 +36,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from . import _distributed, _replica, _split, _streams, _transfer, _tree
+from . import _distributed, _replica, _split, _streams, _thread_state, _transfer, _tree
 from ._compile import eager_under_compile, never_compiled
 
 __all__ = [
@@ -669,6 +669,10 @@ class _Permute(_Op):
 # --- running an op: the two differentiation modes ----------------------------------------------
 
 
+# Packing, stacking and combining keep every leaf's dtype under any autocast (see
+# _thread_state.without_autocast): _run for the packing, _exchange for the combine, which a
+# transposed collective's backward reaches without _run.
+@_thread_state.without_autocast
 def _exchange(
     op: _Op,
     context: _replica.ReplicaContext,
@@ -870,6 +874,7 @@ def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
     return hook
 
 
+@_thread_state.without_autocast
 def _run(
     op: _Op, tree: Any, axis_name: Hashable, extra: Any = None, *, numbers: str = "as_is"
 ) -> tuple[_Packed, list[torch.Tensor]]:

@@ -28,7 +28,18 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 from torch import nn
 
-from . import _compile, _devices, _functional_call, _pmap, _scatter, _split, _state, _transfer, _tree
+from . import (
+    _compile,
+    _devices,
+    _functional_call,
+    _pmap,
+    _scatter,
+    _split,
+    _state,
+    _thread_state,
+    _transfer,
+    _tree,
+)
 
 __all__ = ["DataParallel"]
 
@@ -262,6 +273,7 @@ class DataParallel(nn.Module, Generic[_M]):
         return placed
 
     @torch.no_grad()
+    @_thread_state.without_autocast  # torch.stack keeps the buffers' dtype under any autocast
     def _update_buffers(
         self, buffers: dict[str, torch.Tensor], replicas: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> None:

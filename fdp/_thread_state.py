@@ -26,12 +26,47 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["ThreadState", "capture", "applied", "saves_in_order", "leftovers", "fresh", "restore"]
+__all__ = [
+    "ThreadState",
+    "capture",
+    "applied",
+    "saves_in_order",
+    "leftovers",
+    "fresh",
+    "restore",
+    "without_autocast",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def without_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` run with autocast off, where its caller has it on.
+
+    For fdp's own tensor work on the user's values (concatenating and stacking the replicas'
+    outputs, packing and combining a collective's leaves, averaging buffers), which must keep
+    every tensor's dtype and run no user code. Under autocast, ``torch.cat`` and ``torch.stack``
+    go through its cast policy, which refuses a ``float16`` tensor in a ``bfloat16`` region and
+    the reverse ("Unexpected floating ScalarType in at::autocast::prioritize"): a replica's
+    ``float16`` output, which the same computation on one device returns, failed to gather.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch._C._is_any_autocast_enabled():  # type: ignore[attr-defined]
+            with torch._C._DisableAutocast():  # type: ignore[attr-defined]
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
 
 _AUTOCAST_DEVICE_TYPES = tuple(
     t

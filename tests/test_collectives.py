@@ -105,6 +105,50 @@ def test_half_precision_sums_round_once_as_over_the_batch(dtype: torch.dtype, mo
 
 
 @pytest.mark.parametrize("mode", ["eager", "vmap"])
+@pytest.mark.parametrize(
+    ("region", "leaf"), [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)]
+)
+def test_half_precision_leaves_under_an_autocast_of_the_other(
+    region: torch.dtype, leaf: torch.dtype, mode: str
+) -> None:
+    # Packing (a cat of a dtype's leaves) and combining (stacks) ran under the replica's
+    # autocast, whose cast policy refuses a float16 tensor in a bfloat16 region and the reverse.
+    x = rows().to(leaf)
+
+    def collect(x: torch.Tensor) -> Any:
+        with torch.autocast("cpu", dtype=region):
+            tree = {"a": x, "b": 2 * x}
+            return fdp.psum(tree, "i"), fdp.pmax(tree, "i"), fdp.all_gather(x, "i")
+
+    sums, maxima, gathered = per_row(collect if mode == "eager" else torch.func.vmap(collect))(x)
+    assert sums["a"].dtype == maxima["b"].dtype == gathered.dtype == leaf
+    assert torch.equal(sums["b"], (2 * x).sum(0).expand(N, -1))
+    assert torch.equal(maxima["a"], x.amax(0).expand(N, -1))
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return fdp.all_gather(x, "i")
+
+    reference = per_row(gather if mode == "eager" else torch.func.vmap(gather))(x.float())
+    assert torch.equal(gathered, reference.to(leaf))  # exact: these values fit either dtype
+
+
+def test_second_order_all_gather_of_float16_under_a_bfloat16_autocast() -> None:
+    # The backward of all_gather's backward (psum_scatter) is an all_gather, whose combine
+    # stacks: reached from autograd, not from the collective's call.
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+
+            def cubes(x: torch.Tensor) -> torch.Tensor:
+                return (fdp.all_gather(x.half(), "i").float() ** 3).sum()
+
+            return torch.func.grad(lambda x: torch.func.grad(cubes)(x).sum())(x)
+
+    x = torch.arange(1.0, N + 1).reshape(N, 1)
+    # Every replica's loss holds every x_j^3: d/dx_i of sum_r 3 x_i^2 is 6 N x_i.
+    assert torch.equal(per_row(f)(x), 6 * N * x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "vmap"])
 def test_float16_means_do_not_overflow_where_the_mean_fits(mode: str) -> None:
     # 40000 + 40000 is past float16's 65504: summed in float16, the mean was inf.
     x = torch.full((2, 3), 40000.0, dtype=torch.float16)

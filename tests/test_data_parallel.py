@@ -507,6 +507,23 @@ def test_buffers_are_averaged_at_full_precision_under_autocast() -> None:
     torch.testing.assert_close(norm.running_mean, (shards[0] + shards[1]) / 2, atol=1e-6, rtol=1e-6)
 
 
+def test_float16_buffers_are_averaged_under_a_bfloat16_autocast() -> None:
+    # The average stacks the replicas' buffers: under autocast, torch.stack refuses float16
+    # tensors in a bfloat16 region, so a float16 BatchNorm's forward failed after the replicas ran.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4).half()
+    oracle = copy.deepcopy(norm)
+    x = (torch.randn(8, 4) * 3 + 1).half()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fdp.DataParallel(norm, device_ids=cpus(2))(x)
+        shards = [copy.deepcopy(oracle) for _ in range(2)]
+        expected = [twin(shard) for twin, shard in zip(shards, x.chunk(2))]
+    assert out.dtype == norm.running_mean.dtype == torch.float16
+    assert torch.equal(out, torch.cat(expected))
+    average = (shards[0].running_mean.float() + shards[1].running_mean.float()) / 2
+    assert torch.equal(norm.running_mean, average.half())
+
+
 def test_averaging_leaves_untouched_buffers_alone_and_rounds_once() -> None:
     """Shares of 2/3 and 1/3 (batch 3 on 2 replicas) do not sum to exactly 1: averaged anyway, a
     buffer that forward never touches (a RoPE table) drifted call after call (by ~2% in

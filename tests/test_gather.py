@@ -145,6 +145,24 @@ def test_different_dtypes_are_refused_not_promoted(shape: tuple[int, ...]) -> No
         f(torch.ones(4))
 
 
+@pytest.mark.parametrize(
+    ("region", "output"), [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)]
+)
+def test_half_precision_outputs_gather_under_an_autocast_of_the_other(
+    region: torch.dtype, output: torch.dtype
+) -> None:
+    # Under autocast, torch.cat and torch.stack refuse a float16 tensor in a bfloat16 region
+    # (and the reverse): outputs the same computation returns on one device failed to gather.
+    f = fdp.pmap(lambda x: (x.to(output), x.sum().to(output)), devices=["cpu"] * 2)
+    x = torch.arange(8.0).reshape(4, 2)
+    with torch.autocast("cpu", dtype=region):
+        rows, sums = f(x)
+        joined = fdp.gather([{"y": x[:2].to(output)}, {"y": x[2:].to(output)}], "cpu")
+    assert rows.dtype == sums.dtype == joined["y"].dtype == output
+    assert torch.equal(rows, x.to(output)) and torch.equal(joined["y"], x.to(output))
+    assert torch.equal(sums, torch.tensor([1.0 + 2 + 3, 4.0 + 5 + 6 + 7]).to(output))
+
+
 def test_equal_numpy_outputs_are_returned_once() -> None:
     np = pytest.importorskip("numpy")
     f = fdp.pmap(lambda x: (2 * x, np.array([1.0, np.nan]), np.array(["a"])), devices=["cpu"] * 2)

@@ -98,6 +98,36 @@ def test_autocast_dtype_reaches_every_replica(dtype: torch.dtype) -> None:
     assert all(s["matmul_dtype"] == torch.float32 for s in seen)
 
 
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_autocast_results_are_one_devices(axis_name: str | None) -> None:
+    """Values, not only dtypes: an autocast entered around the call, one entered inside the
+    mapped function, and an autocast(enabled=False) region nested in either give every replica
+    the results of the same computation on one device."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(6, 8)
+
+    def outside(p, x):  # run under the caller's autocast
+        h = fdp.functional_call(model, p, (x,))
+        with torch.autocast("cpu", enabled=False):
+            return h, h @ torch.ones(4, 2, dtype=h.dtype), x @ p["0.weight"].T
+
+    def inside(p, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return outside(p, x)
+
+    for fn, dtype in ((outside, torch.bfloat16), (inside, torch.float16)):
+        mapped = fdp.pmap(fn, in_axes=(None, 0), devices=cpus(3), axis_name=axis_name)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = mapped(params, x)
+            shards = [fn(params, s) for s in x.chunk(3)]
+        expected = [torch.cat(parts) for parts in zip(*shards)]
+        assert [t.dtype for t in got] == [dtype, dtype, torch.float32]
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)
+
+
 def test_saved_tensor_hooks_apply_in_replicas() -> None:
     packed: list[str] = []
     lock = threading.Lock()
