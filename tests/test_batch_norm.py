@@ -156,6 +156,45 @@ def test_half_precision_inputs() -> None:
         torch.testing.assert_close(buffers[name][0], want_buffers[name], atol=0.02, rtol=0.02)
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "on_workers"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_as_batch_norm_on_one_device(
+    dtype: torch.dtype, inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # float32 modules under autocast: the convolutions run in `dtype`, the layer gets their
+    # output and normalizes it with the whole batch's statistics (kept in float32), as
+    # nn.BatchNorm on one device does under the same autocast.
+    monkeypatch.setattr(fdp._pool, "INLINE_REPLICAS", inline)
+    model = make_model(nn.BatchNorm1d)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    x = input_for(nn.BatchNorm1d, 10).float() - 30.0
+    normalized: list[torch.dtype] = []  # each layer's output dtype (the replicas' first)
+    for layer in (synced[1], model[1]):
+        layer.register_forward_hook(lambda module, args, out: normalized.append(out.dtype))
+    with torch.autocast("cpu", dtype=dtype):
+        y = fdp.DataParallel(synced, device_ids=cpus(3), axis_name="batch")(x)
+        want = model(x)
+    assert y.dtype == want.dtype == dtype
+    assert set(normalized) == {dtype}, normalized  # in the input's dtype, as nn.BatchNorm's
+    ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    torch.testing.assert_close(y, want, atol=ulp, rtol=ulp)
+    for name in ("running_mean", "running_var"):
+        assert synced[1].get_buffer(name).dtype == torch.float32
+        torch.testing.assert_close(
+            synced[1].get_buffer(name), model[1].get_buffer(name), atol=1e-6, rtol=1e-5
+        )
+    assert synced[1].num_batches_tracked == model[1].num_batches_tracked == 1
+    weights = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+    (y.float() * weights).sum().backward()
+    (want.float() * weights).sum().backward()
+    for (name, got), expected in zip(synced.named_parameters(), model.parameters()):
+        assert got.grad is not None and expected.grad is not None
+        if name == "0.bias":
+            continue  # its true gradient is 0 (the layer subtracts it out): both hold rounding noise
+        scale = expected.grad.abs().max().item()
+        torch.testing.assert_close(got.grad, expected.grad, atol=4 * ulp * scale, rtol=0, msg=name)
+
+
 def test_evaluation_mode_uses_the_running_statistics_and_exchanges_nothing() -> None:
     model = make_model(nn.BatchNorm1d).double().eval()
     x = input_for(nn.BatchNorm1d, 10)

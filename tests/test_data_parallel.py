@@ -524,6 +524,54 @@ def test_float16_buffers_are_averaged_under_a_bfloat16_autocast() -> None:
     assert torch.equal(norm.running_mean, average.half())
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "on_workers"])
+def test_grad_scaler_steps_and_skips_as_on_one_device(inline: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.amp.GradScaler over float16 autocast: the same scales and parameters as the plain
+    module, step after step, through steps the scaler skips for inf gradients: the first (a
+    scale of 2**30 overflows float16) and one whose inf comes from replica 1's shard alone."""
+    monkeypatch.setattr(fdp._pool, "INLINE_REPLICAS", inline)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plain = copy.deepcopy(net)
+    model = fdp.DataParallel(net, device_ids=cpus(2))
+    runs = [
+        (
+            model,
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            torch.amp.GradScaler("cpu", init_scale=2.0**30),
+        ),
+        (
+            plain,
+            plain,
+            torch.optim.SGD(plain.parameters(), lr=0.1),
+            torch.amp.GradScaler("cpu", init_scale=2.0**30),
+        ),
+    ]
+    for step in range(5):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        if step == 3:
+            x[4, 0] = float("inf")  # a row of replica 1's shard (rows 3-5)
+        scales, skipped = [], []
+        for call, module, opt, scaler in runs:
+            before = [p.detach().clone() for p in module.parameters()]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(call(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            # Then a scale that overflows neither: near the edge, a shard's float16 partial sum
+            # of a gradient may overflow where the whole batch's cancels (as with DDP).
+            scaler.update(2.0**16 if step == 0 else None)
+            scales.append(scaler.get_scale())
+            skipped.append(all(torch.equal(b, p) for b, p in zip(before, module.parameters())))
+        assert scales[0] == scales[1], step
+        assert skipped[0] == skipped[1] == (step in (0, 3)), step
+        for p, q in zip(net.parameters(), plain.parameters()):
+            # float16 products over a shard or the whole batch: equal to float16 rounding.
+            torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)
+
+
 def test_averaging_leaves_untouched_buffers_alone_and_rounds_once() -> None:
     """Shares of 2/3 and 1/3 (batch 3 on 2 replicas) do not sum to exactly 1: averaged anyway, a
     buffer that forward never touches (a RoPE table) drifted call after call (by ~2% in

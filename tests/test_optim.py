@@ -158,6 +158,59 @@ def test_matches_torch_optim_over_100_steps(name: str, one_pass: bool) -> None:
             torch.testing.assert_close(params[k], reference[k].detach(), atol=1e-6, rtol=0)
 
 
+HALF_CONFIGS: dict[
+    str, tuple[Callable[..., torch.optim.Optimizer], Callable[[], optim.GradientTransformation]]
+] = {
+    "sgd_nesterov_weight_decay": (
+        lambda p, foreach: torch.optim.SGD(
+            p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, foreach=foreach
+        ),
+        lambda: optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    ),
+    "adam_weight_decay": (
+        lambda p, foreach: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-3, foreach=foreach),
+        lambda: optim.adam(1e-2, weight_decay=1e-3),
+    ),
+    "adamw": (
+        lambda p, foreach: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=foreach),
+        lambda: optim.adamw(1e-2, weight_decay=0.1),
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(HALF_CONFIGS))
+def test_matches_torch_optim_on_half_precision_parameters(name: str, dtype: torch.dtype) -> None:
+    # Every op in the parameters' dtype, as torch.optim's single-tensor step: the same bits.
+    # torch's foreach step rounds differently in places (its own two paths differ by units in
+    # the last place in bfloat16/float16), so against it: to the dtype's rounding.
+    make_torch, make_ours = HALF_CONFIGS[name]
+    torch.manual_seed(0)
+    initial = {"w": torch.randn(6, 4).to(dtype), "b": torch.randn(4).to(dtype)}
+    steps = [{k: torch.randn_like(v) for k, v in initial.items()} for _ in range(20)]
+    opt = make_ours()
+    params, state = dict(initial), opt.init(initial)
+    for grads in steps:
+        params, state = opt.apply_gradients(grads, state, params)
+    via_updates, state = dict(initial), opt.init(initial)
+    for grads in steps:
+        updates, state = opt.update(grads, state, via_updates)
+        via_updates = optim.apply_updates(via_updates, updates)
+    for foreach in (False, True):
+        reference = {k: v.clone().requires_grad_() for k, v in initial.items()}
+        torch_opt = make_torch(list(reference.values()), foreach)
+        for grads in steps:
+            for k, p in reference.items():
+                p.grad = grads[k].clone()
+            torch_opt.step()
+        for k, p in reference.items():
+            assert params[k].dtype == via_updates[k].dtype == dtype
+            if not foreach:
+                assert torch.equal(params[k], p.detach()), k
+            torch.testing.assert_close(params[k], p.detach(), atol=0.05, rtol=0.02)
+            torch.testing.assert_close(via_updates[k], p.detach(), atol=0.05, rtol=0.02)
+
+
 def complex_problem() -> tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], torch.Tensor]]:
     """Complex parameters beside a real one, and a real loss."""
     torch.manual_seed(0)
