@@ -8,11 +8,13 @@ settings there, and so does some of torch's configuration).
 A worker thread starts with none of them, so each task captures the caller's state and the
 worker enters it around the replica. ``nn.DataParallel`` carries only grad mode and the autocast
 *enabled* flag, so a bfloat16 autocast region runs in float16 on its replicas; here the dtype,
-the cache flag and every device type's autocast go along.
+the cache flag and every device type's autocast go along, and so does an autocast dtype set
+while autocast is off (``torch.set_autocast_dtype``), for an autocast the replicas enter
+themselves without a dtype.
 
 Not carried (documented in docs/concepts.md): ``torch.set_default_device`` and other
 ``TorchFunctionMode``/``TorchDispatchMode`` stacks, whose mode objects are not made to be
-shared between threads; an autocast dtype set while autocast is off; dispatch-key guards
+shared between threads; dispatch-key guards
 (``torch._C._DisableTorchDispatch``, ...); the profiler's per-thread ``RecordFunction`` state.
 Anomaly mode, deterministic algorithms, the default dtype, ``torch.backends`` flags and the
 random generators are process-wide: every thread sees them anyway.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
@@ -75,6 +78,29 @@ _AUTOCAST_DEVICE_TYPES = tuple(
 )
 
 
+# The device types whose autocast dtype, set while autocast is off, is carried to the replicas
+# (and taken back from a worker a replica left it set in): the CPU's and CUDA's, not the rarer
+# device types', whose reads would cost every call as much again.
+_CARRIED_DTYPES = tuple(t for t in ("cpu", "cuda") if t in _AUTOCAST_DEVICE_TYPES)
+_fresh_dtypes: tuple[torch.dtype, ...] | None = None
+
+
+def _fresh_autocast_dtypes() -> tuple[torch.dtype, ...]:
+    """The autocast dtypes of ``_CARRIED_DTYPES`` in a thread that has set none: what a worker
+    starts with (autocast's dtypes are thread-local), read once in a thread of its own."""
+    global _fresh_dtypes
+    if _fresh_dtypes is None:
+        found: list[tuple[torch.dtype, ...]] = []
+        thread = threading.Thread(
+            target=lambda: found.append(tuple(map(torch.get_autocast_dtype, _CARRIED_DTYPES))),
+            name="fdp-autocast-defaults",
+        )
+        thread.start()
+        thread.join()
+        _fresh_dtypes = found[0]
+    return _fresh_dtypes
+
+
 class Rare(NamedTuple):
     """Thread-local autograd and ``__torch_function__`` switches that are rarely moved from their
     defaults (captured as a whole only when one is): all of them are in what torch itself carries
@@ -99,6 +125,10 @@ class ThreadState(NamedTuple):  # immutable, and cheap to build on every call
     inference_mode: bool
     # (device_type, dtype) for every device type whose autocast is enabled.
     autocast: tuple[tuple[str, torch.dtype], ...]
+    # (device_type, dtype) for the device types of _CARRIED_DTYPES whose autocast is off but
+    # whose dtype was set (torch.set_autocast_dtype): an autocast entered in a replica without
+    # a dtype takes it, in the caller's thread as in a worker's.
+    autocast_dtypes: tuple[tuple[str, torch.dtype], ...]
     autocast_cache: bool
     saved_tensors_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
     # torch.set_num_threads: each thread keeps the value it had when it first ran a parallel
@@ -134,18 +164,25 @@ def _rare() -> Rare | None:
 def capture() -> ThreadState:
     """The calling thread's state."""
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
-    if torch._C._is_any_autocast_enabled():  # type: ignore[attr-defined]
+    any_autocast = torch._C._is_any_autocast_enabled()  # type: ignore[attr-defined]
+    if any_autocast:
         autocast = tuple(
             (t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
         )
+    autocast_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    for t, fresh_dtype in zip(_CARRIED_DTYPES, _fresh_dtypes or _fresh_autocast_dtypes()):
+        dtype = torch.get_autocast_dtype(t)
+        if dtype is not fresh_dtype and not (any_autocast and torch.is_autocast_enabled(t)):
+            autocast_dtypes += ((t, dtype),)
     inference_mode = torch.is_inference_mode_enabled()
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # type: ignore[attr-defined]
     rare = _rare()
     return ThreadState(
-        plain=not (inference_mode or autocast or hooks is not None or rare is not None),
+        plain=not (inference_mode or autocast or autocast_dtypes or hooks is not None or rare is not None),
         grad_enabled=torch.is_grad_enabled(),
         inference_mode=inference_mode,
         autocast=autocast,
+        autocast_dtypes=autocast_dtypes,
         autocast_cache=torch.is_autocast_cache_enabled() if autocast else True,
         saved_tensors_hooks=hooks,
         num_threads=torch.get_num_threads(),
@@ -188,6 +225,9 @@ class applied:
         if state.inference_mode:
             stack.enter_context(torch.inference_mode(True))
         stack.enter_context(torch.set_grad_enabled(state.grad_enabled))
+        for device_type, dtype in state.autocast_dtypes:
+            stack.callback(torch.set_autocast_dtype, device_type, torch.get_autocast_dtype(device_type))
+            torch.set_autocast_dtype(device_type, dtype)
         for device_type, dtype in state.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=state.autocast_cache))
         if state.saved_tensors_hooks is not None:
@@ -249,6 +289,9 @@ def leftovers() -> tuple[object, ...]:
         C.is_grad_enabled(),
         C.is_inference_mode_enabled(),
         C._is_any_autocast_enabled(),  # type: ignore[attr-defined]
+        # A dtype set while autocast is off, which later replicas would enter autocast with
+        # where their caller set none (see _CARRIED_DTYPES).
+        *map(torch.get_autocast_dtype, _CARRIED_DTYPES),
         C._is_fwd_grad_enabled(),
         C._is_multithreading_enabled(),
         C._is_view_replay_enabled(),

@@ -99,6 +99,26 @@ def test_autocast_dtype_reaches_every_replica(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("axis_name", [None, "i"])
+def test_an_autocast_dtype_set_while_autocast_is_off_reaches_every_replica(axis_name: str | None) -> None:
+    # Autocast's dtypes are thread-local: set in the caller, an autocast entered without a
+    # dtype inside the mapped function ran float16 in replica 0 and bfloat16 in the others.
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu"):
+            return x @ x.T
+
+    mapped = fdp.pmap(f, axis_name=axis_name, devices=cpus(3), out_axes=fdp.PER_REPLICA)
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        out = mapped(torch.ones(3, 2))
+    finally:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+    assert [out[r].dtype for r in range(3)] == [torch.float16] * 3
+    # Taken back in the workers: the next call's replicas have the caller's dtype again.
+    out = mapped(torch.ones(3, 2))
+    assert [out[r].dtype for r in range(3)] == [torch.bfloat16] * 3
+
+
+@pytest.mark.parametrize("axis_name", [None, "i"])
 def test_autocast_results_are_one_devices(axis_name: str | None) -> None:
     """Values, not only dtypes: an autocast entered around the call, one entered inside the
     mapped function, and an autocast(enabled=False) region nested in either give every replica
@@ -292,6 +312,7 @@ def leave_hooks_disabled() -> None:
 
 LEFT_SET = {
     "set_autocast_enabled": lambda: torch.set_autocast_enabled("cpu", True),
+    "set_autocast_dtype": lambda: torch.set_autocast_dtype("cpu", torch.float16),
     "grad mode off": lambda: torch._C._set_grad_enabled(False),
     "autocast never left": leave_autocast,
     "forward AD off": lambda: torch._C._set_fwd_grad_enabled(False),
@@ -305,6 +326,7 @@ LEFT_SET = {
 def worker_view() -> tuple[object, ...]:
     return (
         torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
         torch.get_default_device(),
         torch._C._len_torch_function_stack(),
         torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
