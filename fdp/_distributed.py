@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from . import _split, _tree
+from . import _split, _thread_state, _tree
 from ._state import PerReplica
 
 __all__ = [
@@ -1199,6 +1199,7 @@ class _AllGather(torch.autograd.Function):
         return all_reduce(grad, "sum", f"the backward of {ctx.name}")[rank()], None, None
 
 
+@_thread_state.without_autocast  # torch.cat keeps every dtype under any autocast
 def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
     """Every tensor of ``tree`` with process ``src``'s value, in every process.
 

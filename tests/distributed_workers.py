@@ -418,6 +418,10 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
         result["src"] = timed_outcome(lambda: fdp.distributed.broadcast(state, src=2))
         placed = fdp.device_put_replicated({"w": torch.ones(2)}, ["cpu", "cpu"])
         result["placed"] = timed_outcome(lambda: fdp.distributed.broadcast(placed))
+        # Under an autocast of the other half dtype, which torch.cat's cast policy refuses.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = fdp.distributed.broadcast({"h": torch.full((3,), rank + 0.5, dtype=torch.float16)}, src=1)
+        result["autocast"] = [str(half["h"].dtype), half["h"].tolist()]
         # The group still works after the refusals.
         result["after"] = fdp.distributed.broadcast(torch.tensor([float(rank)]), src=1).tolist()
         report(folder, rank, result)

@@ -293,6 +293,7 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
             "tensors on different kinds of device: cpu on rank 0, meta on rank 1" in r["devices"]["message"]
         )
         assert r["parameter"] == ["Parameter", True, [0.0, 0.0], "Parameter", False], r["parameter"]
+        assert r["autocast"] == ["torch.float16", [1.5, 1.5, 1.5]], r["autocast"]
         assert r["src"]["error"] == "ValueError", r["src"]
         assert "src must be a rank, an int from 0 to 1, got 2" in r["src"]["message"]
         assert r["placed"]["error"] == "TypeError", r["placed"]
