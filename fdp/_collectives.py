@@ -893,12 +893,17 @@ def _run(
         results = _exchange(op, context, packed.buffers, extra, packed)
     # The results' graph spans every replica and is complete only when the call returns: a
     # backward through them from inside the replica must not start early. The hook sits on the
-    # results' own nodes, which in-place ops on the results leave in place upstream.
+    # results' own nodes, which in-place ops on the results leave in place upstream; on a view's
+    # base's node for a result that is a view (an alias from _transfer.fan_out, under
+    # deterministic algorithms): an in-place op on it rebases the base, and the backward then
+    # bypasses the view's own node.
     hook = None
     for r in results:
-        if r.grad_fn is not None:
+        base = r._base
+        node = (r if base is None else base).grad_fn
+        if node is not None:
             hook = hook or _refuse_inner_backward(context.group, op.name)
-            r.grad_fn.register_prehook(hook)
+            node.register_prehook(hook)
     return packed, results
 
 

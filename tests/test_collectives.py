@@ -434,6 +434,40 @@ def test_inner_autograd_through_a_collective_is_refused() -> None:
         per_row(f)(rows().requires_grad_())
 
 
+@pytest.mark.parametrize(
+    "name, collective",
+    [
+        ("fdp.psum", lambda x: fdp.psum(x, "i")),
+        ("fdp.pmax", lambda x: fdp.pmax(x, "i")),
+        ("fdp.all_gather", lambda x: fdp.all_gather(x, "i")),
+        ("fdp.all_gather", lambda x: fdp.all_gather({"a": x, "b": x * 2}, "i")["a"]),
+        ("fdp.ppermute", lambda x: fdp.ppermute(x, "i", [(0, 2), (2, 1), (1, 0), (3, 3)])),
+    ],
+)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_inner_autograd_through_a_collective_changed_in_place_is_refused(
+    name: str, collective: Any, deterministic: bool
+) -> None:
+    # An in-place change of a result moves its node off the path of the backward; the refusal
+    # must sit where the change leaves it upstream. (Under deterministic algorithms the first
+    # replica's all_gather result was an alias of the gathered tensor, whose in-place change
+    # rebases that tensor: the refusal was skipped, the graph half freed.)
+    def f(x):
+        result = collective(x.sin())
+        result.mul_(2)
+        if fdp.axis_index("i") > 0:  # the first replica's result is the one that differed
+            return x
+        (g,) = torch.autograd.grad(result.sum(), x)
+        return g
+
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with pytest.raises(RuntimeError, match=f"differentiate through {name} inside the mapped function"):
+            per_row(f)(rows().requires_grad_())
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 # --- differentiation inside replicas: JAX's transposes -------------------------------------------
 
 
