@@ -461,7 +461,14 @@ def _learning_rate(lr: float | Schedule, name: str) -> Schedule:
 
     def scheduled(step: int) -> float:
         value = schedule(step)
-        if not torch.compiler.is_compiling():  # dynamo would guard on the value (a recompile)
+        try:
+            fine = value >= 0
+        except (TypeError, RuntimeError):
+            fine = False
+        if not fine:
+            # The message only on the way to the error: compiled, the comparison is a guard on
+            # the step count that holds for every step (a value the schedule computes from it),
+            # where formatting the count would specialize it and recompile every step.
             _check_non_negative(name, **{f"lr, a schedule, at step {step},": value})
         return value
 

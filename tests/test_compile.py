@@ -7,6 +7,7 @@ seconds); one runs inductor, the default, end to end.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -451,3 +452,37 @@ def test_a_learning_rate_schedule_compiles_once_not_once_per_step() -> None:
         results.append(fdp.unreplicate(state)["params"])
     torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-5)
     assert compiled_by_step[-1] == compiled_by_step[-4] > 0  # nothing compiled in the last 3 steps
+
+
+@pytest.mark.parametrize(
+    ("schedule", "match"),
+    [
+        # A value that goes negative smoothly, and one that a branch makes negative.
+        (
+            lambda step: 1e-2 * (2 - step),
+            r"(?m)^fdp\.optim\.sgd: lr, a schedule, at step 3, must be non-negative, got -0\.01$",
+        ),
+        (
+            lambda step: 1e-2 if step < 3 else math.nan,
+            r"(?m)^fdp\.optim\.sgd: lr, a schedule, at step 3, must be non-negative, got nan$",
+        ),
+    ],
+)
+def test_a_schedule_value_torch_optim_would_refuse_is_named_in_a_compiled_step(
+    schedule: Any, match: str
+) -> None:
+    """Compiled, the schedule's values are checked as eagerly: a negative or NaN rate would
+    step uphill or poison every parameter, silently (the check was left out while compiling)."""
+    opt = optim.sgd(schedule)
+
+    def step(state: dict[str, Any], g: torch.Tensor) -> dict[str, Any]:
+        new_params, opt_state = opt.apply_gradients({"w": g[0]}, state["opt"], state["params"])
+        return {"params": new_params, "opt": opt_state}
+
+    params = {"w": torch.ones(3)}
+    mapped = fdp.pmap(step, axis_name="b", devices=cpus(2), out_axes=fdp.PER_REPLICA, compile=AOT_EAGER)
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(2))
+    for _ in range(3):
+        state = mapped(state, torch.ones(2, 3))
+    with pytest.raises(ValueError, match=match):
+        mapped(state, torch.ones(2, 3))
