@@ -153,22 +153,29 @@ def _attach(update: Callable[..., Any], apply: Callable[[Tree, Any, Tree], tuple
     setattr(update, _ONE_PASS, apply)
 
 
-# step(grads, params, spec, state, buffers) -> (new parameters, new state), on leaf lists; spec
-# is the gradients' structure, for trees in the new state; buffers holds the leaves of the
-# state's trees named by the optimizer (momentum, moments), checked to have that structure.
-_Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any]], tuple[Any, Any]]
+# step(grads, params, spec, state, buffers, lr) -> (new parameters, new state), on leaf lists;
+# spec is the gradients' structure, for trees in the new state; buffers holds the leaves of the
+# state's trees named by the optimizer (momentum, moments), checked to have that structure; lr
+# is the learning rate of this step.
+_Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any], float], tuple[Any, Any]]
 
 
 def _optimizer(
-    init: Callable[[Tree], Any], step: _Step, name: str, state_type: type, buffers: tuple[str, ...]
+    init: Callable[[Tree], Any],
+    step: _Step,
+    name: str,
+    state_type: type[Any],
+    buffers: tuple[str, ...],
+    learning_rate: Schedule,
 ) -> GradientTransformation:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
     one-pass ``apply_gradients``. Its state is a ``state_type``; ``buffers`` names the state's
-    fields that hold trees like the gradients."""
+    fields that hold trees like the gradients; ``learning_rate`` gives each step's rate from the
+    steps taken (:func:`_learning_rate`)."""
 
     def checked(grads: Tree, state: Any, params: Tree, call: str) -> tuple[Any, ...]:
         """The leaves and structures of grads and params, and the leaves of the state's trees,
-        once they are known to match."""
+        once they are known to match, and this step's learning rate."""
         if not isinstance(state, state_type):
             # Another optimizer's state, a chain's, or the arguments in another order: its
             # fields would be read as this optimizer's (an AttributeError, or a step count taken
@@ -178,6 +185,10 @@ def _optimizer(
                 f"{state_type.__qualname__}: the state must come from this optimizer's init(params) "
                 f"or its last step, passed as {call}(grads, state, params)"
             )
+        # Before any tree is flattened: compiled, a schedule that dynamo cannot trace breaks the
+        # graph, and dynamo rebuilt a tree structure that lived across that break and the one
+        # after it wrongly (a step failed with "length mismatch: [2, 1]" in unflatten).
+        lr = learning_rate(state.step)
         g, spec = _leaves(grads)
         p, params_spec = _leaves(params)
         flat = [_leaves(getattr(state, field)) for field in buffers]
@@ -187,20 +198,20 @@ def _optimizer(
         else:
             specs = [own for _, own in flat]
             _verify(name, call, grads, params, state, g, p, spec, params_spec, buffers, specs, state_leaves)
-        return g, spec, p, params_spec, state_leaves
+        return g, spec, p, params_spec, state_leaves, lr
 
     @torch.no_grad()
     def update(grads: Tree, state: Any, params: Tree | None = None) -> tuple[Tree, Any]:
         if params is None:
             raise ValueError(f"fdp.optim.{name} needs the params: call update(grads, state, params)")
-        g, spec, p, _, state_leaves = checked(grads, state, params, "update")
-        new, new_state = step(g, p, spec, state, state_leaves)
+        g, spec, p, _, state_leaves, lr = checked(grads, state, params, "update")
+        new, new_state = step(g, p, spec, state, state_leaves, lr)
         return _tree.unflatten(spec, _difference(new, p)), new_state
 
     @torch.no_grad()
     def apply(grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
-        g, spec, p, params_spec, state_leaves = checked(grads, state, params, "apply_gradients")
-        new, new_state = step(g, p, spec, state, state_leaves)
+        g, spec, p, params_spec, state_leaves, lr = checked(grads, state, params, "apply_gradients")
+        new, new_state = step(g, p, spec, state, state_leaves, lr)
         # The params' structure, as apply_updates gives: dicts compare equal in any key order.
         return _tree.unflatten(params_spec, new), new_state
 
@@ -513,7 +524,7 @@ def sgd(
         return SgdState(0, _zeros_like(params, "sgd") if momentum else None)
 
     def step(
-        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState, state_leaves: list[Leaves]
+        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState, state_leaves: list[Leaves], lr: float
     ) -> tuple[Leaves, SgdState]:
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
             return [], SgdState(state.step + 1, _tree.unflatten(spec, []) if momentum else None)
@@ -528,11 +539,9 @@ def sgd(
                 torch._foreach_add_(buffers, g, alpha=1 - dampening)
             g = torch._foreach_add(g, buffers, alpha=momentum) if nesterov else buffers
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
-        return torch._foreach_add(p, g, alpha=-learning_rate(state.step)), SgdState(
-            state.step + 1, new_momentum
-        )
+        return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
 
-    return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else ())
+    return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else (), learning_rate)
 
 
 def _difference(new: Leaves, old: Leaves) -> Leaves:
@@ -581,12 +590,11 @@ def _adam(
         return AdamState(0, _zeros_like(params, name), _zeros_like(params, name))
 
     def step(
-        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState, state_leaves: list[Leaves]
+        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState, state_leaves: list[Leaves], lr: float
     ) -> tuple[Leaves, AdamState]:
         number = state.step + 1
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
             return [], AdamState(number, _tree.unflatten(spec, []), _tree.unflatten(spec, []))
-        lr = learning_rate(state.step)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
@@ -612,7 +620,7 @@ def _adam(
             new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
         return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
 
-    return _optimizer(init, step, name, AdamState, ("exp_avg", "exp_avg_sq"))
+    return _optimizer(init, step, name, AdamState, ("exp_avg", "exp_avg_sq"), learning_rate)
 
 
 def adam(

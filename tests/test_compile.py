@@ -486,3 +486,31 @@ def test_a_schedule_value_torch_optim_would_refuse_is_named_in_a_compiled_step(
         state = mapped(state, torch.ones(2, 3))
     with pytest.raises(ValueError, match=match):
         mapped(state, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("make", [optim.sgd, optim.adamw], ids=["sgd", "adamw"])
+def test_a_schedule_that_breaks_the_graph_steps_as_eagerly(make: Any) -> None:
+    """A schedule dynamo cannot trace breaks the compiled step's graph there; the step must go
+    on as it does eagerly (it failed with "length mismatch: [2, 1]": dynamo rebuilt a tree
+    structure that lived across that break and a later one wrongly)."""
+
+    def schedule(step: int) -> float:
+        torch._dynamo.graph_break()  # as a schedule that reads a file or a table would
+        return 1e-2 * 0.9**step
+
+    opt = make(schedule)
+
+    def step(state: dict[str, Any], g: torch.Tensor) -> dict[str, Any]:
+        new_params, opt_state = opt.apply_gradients({"w": g[0]}, state["opt"], state["params"])
+        return {"params": new_params, "opt": opt_state}
+
+    params = {"w": torch.ones(3)}
+    results = []
+    for compile in (False, AOT_EAGER):
+        mapped = fdp.pmap(step, axis_name="b", devices=cpus(2), out_axes=fdp.PER_REPLICA, compile=compile)
+        state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(2))
+        for _ in range(3):
+            state = mapped(state, torch.arange(6.0).reshape(2, 3))
+        results.append(fdp.unreplicate(state))
+    torch.testing.assert_close(results[1]["params"], results[0]["params"])
+    assert results[1]["opt"].step == results[0]["opt"].step == 3
