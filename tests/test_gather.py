@@ -107,6 +107,47 @@ def test_nan_non_tensor_outputs_are_equal() -> None:
     assert math.isnan(out[1])
 
 
+def test_equal_non_tensor_outputs_that_are_other_objects_are_returned_once() -> None:
+    first, second = "ab", "".join(["a", "b"])  # equal strings, two objects
+    assert first is not second
+    out = fdp.gather([(torch.ones(1), first), (torch.ones(1), second)], "cpu")
+    assert out[1] is first  # replica 0's
+
+
+def test_non_tensor_outputs_whose_equality_raises_are_not_provably_equal() -> None:
+    class Ambiguous:
+        def __eq__(self, other: object) -> bool:
+            raise ValueError("The truth value of an array with more than one element is ambiguous")
+
+        __hash__ = None  # type: ignore[assignment]
+
+    with pytest.raises(ValueError, match=r"different non-tensor values at output\[1\]: replica 0 returned"):
+        fdp.gather([(torch.ones(1), Ambiguous()), (torch.ones(1), Ambiguous())], "cpu")
+
+
+def test_checked_unmapped_integer_outputs_that_differ_are_refused() -> None:
+    mapped = fdp.pmap(
+        lambda x: torch.tensor([fdp.axis_index("i")]),
+        axis_name="i",
+        out_axes=None,
+        devices=["cpu"] * 2,
+        check_unmapped_outputs=True,
+    )
+    with pytest.raises(ValueError, match=r"replica 1 returned int64\[1\] that differs from replica 0's"):
+        mapped(torch.ones(4))
+
+
+def test_gather_with_per_replica_out_axes_keeps_each_value_in_memory_of_its_own() -> None:
+    # As fdp.pmap's out_axes=fdp.PER_REPLICA: a value sharing memory with an earlier replica's
+    # (two views of one tensor here) is copied, so that updating one in place changes no other.
+    t = torch.arange(4.0)
+    out = fdp.gather([{"x": t[:2], "n": 1}, {"x": t[2:], "n": 1}], "cpu", out_axes=fdp.PER_REPLICA)
+    assert isinstance(out["x"], fdp.PerReplica) and isinstance(out["n"], fdp.PerReplica)
+    assert out["x"].values[0]._base is t and out["x"].values[1]._base is not t
+    assert [v.tolist() for v in out["x"]] == [[0.0, 1.0], [2.0, 3.0]]
+    assert out["n"].values == (1, 1) and out["n"].devices == (torch.device("cpu"),) * 2
+
+
 @pytest.mark.parametrize(
     ("other", "agree"),
     [

@@ -58,6 +58,18 @@ def test_method_decorator_binds_self() -> None:
     torch.testing.assert_close(Scaler().scale(torch.ones(4)), torch.full((4,), 3.0))
 
 
+def test_a_decorated_method_read_from_its_class_is_the_pmapped_function() -> None:
+    class Scaler:
+        factor = 3.0
+
+        @fdp.pmap(in_axes=(None, 0), devices=cpus(2))
+        def scale(self, x):
+            return self.factor * x
+
+    assert isinstance(Scaler.scale, fdp.Pmapped)  # not bound: the instance is passed by hand
+    torch.testing.assert_close(Scaler.scale(Scaler(), torch.ones(4)), torch.full((4,), 3.0))
+
+
 def test_not_callable_is_type_error() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         fdp.pmap(3)  # type: ignore[call-overload]
@@ -472,6 +484,19 @@ def test_copies_and_pickles_take_the_configuration_not_what_calls_learned(n: int
         assert twin._inputs is not mapped._inputs
     compiled = fdp.pmap(torch.neg, devices=cpus(n), compile=True)
     assert copy.deepcopy(compiled)._compiled is not compiled._compiled  # compiled afresh
+
+
+def test_a_pmapped_module_copies_and_pickles_with_a_copy_of_its_module() -> None:
+    # A module has no qualified name to pickle by (a decorated function does): it is copied.
+    import copy
+    import pickle
+
+    model = nn.Linear(3, 2)
+    mapped = fdp.pmap(model, devices=cpus(2))
+    x = torch.randn(4, 3)
+    for twin in (copy.deepcopy(mapped), pickle.loads(pickle.dumps(mapped))):
+        assert isinstance(twin.fn, nn.Linear) and twin.fn is not model
+        torch.testing.assert_close(twin({}, x), model(x))
 
 
 def test_copies_and_pickles_keep_unmapped_axes_unmapped() -> None:
@@ -1262,6 +1287,19 @@ def test_an_output_rebuilt_after_one_returned_as_it_is_keeps_its_own_key_order(n
     assert list(mapped({"a": x, "b": x}, False)) == ["a", "b"]
     out = mapped({"b": x, "a": 2 * x}, True)
     assert list(out) == ["b", "a"] and out["a"].sum() == 12 and out["b"].sum() == 6
+
+
+def test_an_error_after_a_call_with_other_key_order_blames_each_size_on_its_own_key() -> None:
+    # One replica flattens the arguments along the last call's structure where it can (an
+    # OrderedDict is matched by its keys, its leaves then come in the last call's key order);
+    # a call that needs the general scatter, here to report sizes that disagree, is flattened
+    # again exactly, so that each size is named with its own key.
+    f = fdp.pmap(lambda d: d["a"] + d["b"], devices=cpus(1))
+    f(collections.OrderedDict(a=torch.ones(4), b=torch.ones(4)))
+    with pytest.raises(ValueError, match="inconsistent sizes") as info:
+        f(collections.OrderedDict(b=torch.ones(3), a=torch.ones(0)))
+    assert "size 3: axis 0 of args[0]['b'] of type float32[3]" in str(info.value)
+    assert "size 0: axis 0 of args[0]['a'] of type float32[0]" in str(info.value)
 
 
 @pytest.mark.parametrize("n", [1, 2])
