@@ -532,6 +532,44 @@ def test_double_grad_inside_replicas() -> None:
     torch.testing.assert_close(second, N * 6 * x)
 
 
+def test_grad_of_weighted_pmean_inside_replicas() -> None:
+    # The transpose of a weighted mean sums the cotangents and gives each replica its own share
+    # w_r / sum(w): the gradient of sum_s pmean_s = N * sum_j w_j x_j^2 / sum(w).
+    x = rows(dtype=torch.float64)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    out = per_row(
+        lambda x: torch.func.grad(
+            lambda x: fdp.pmean((x**2).sum(), "i", weight=weights[fdp.axis_index("i")])
+        )(x)
+    )(x)
+    expected = torch.stack([N * w / sum(weights) * 2 * x[r] for r, w in enumerate(weights)])
+    torch.testing.assert_close(out, expected)
+
+
+def test_double_grad_through_all_gather_inside_replicas() -> None:
+    # The inner grad goes through all_gather's transpose (psum_scatter), whose own transpose,
+    # all_gather, the outer grad goes through: d/dx_r of sum_s 2N w_s . x_s is 2N w_r.
+    x = rows(dtype=torch.float64)
+    w = torch.randn(N, 3, dtype=torch.float64)
+    second = per_row(
+        lambda x: torch.func.grad(
+            lambda x: torch.func.grad(lambda x: (fdp.all_gather(x[0], "i") ** 2 * w).sum())(x).sum()
+        )(x)
+    )(x)
+    torch.testing.assert_close(second, 2 * N * w)
+
+
+def test_a_backward_kept_past_the_call_is_refused_not_left_waiting() -> None:
+    # A vjp function returned out of the call would run psum's transpose alone, with no other
+    # replica ever to meet it: refused at once.
+    f = per_row(lambda x: torch.func.vjp(lambda x: fdp.psum(x, "i"), x)[1], n=2, out_axes=fdp.PER_REPLICA)
+    vjp_fn = f(rows(2)).values[0]
+    with pytest.raises(
+        RuntimeError, match="backward inside a torch.func transform ran after the pmapped call"
+    ):
+        finishes(lambda: vjp_fn(torch.ones(1, 3)))
+
+
 def test_vmap_inside_replicas() -> None:
     x = torch.randn(N * 2, 3)  # two rows per replica, one vmap lane each
     out = fdp.pmap(
@@ -839,6 +877,8 @@ def test_all_gather_takes_a_numpy_integer_dim() -> None:
 def test_all_gather_dim_and_ppermute_indices_must_be_ints() -> None:
     with pytest.raises(TypeError, match=r"^fdp.all_gather: dim must be an int, got str: '0'\n"):
         per_row(lambda x: fdp.all_gather(x, "i", dim="0"), n=2)(rows(2))
+    with pytest.raises(TypeError, match=r"^fdp.all_gather: dim must be an int, got bool: True\n"):
+        per_row(lambda x: fdp.all_gather(x, "i", dim=True), n=2)(rows(2))
     with pytest.raises(
         TypeError, match=r"^fdp.ppermute: perm must be a sequence of \(source, destination\) pairs"
     ):
