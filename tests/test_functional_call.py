@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import enum
 import functools
 import gc
 import threading
@@ -1097,3 +1098,60 @@ def test_attributes_are_looked_at_without_spelling_out_where_they_are() -> None:
     net.table = {Unprintable(): collections.OrderedDict(f=net._impl)}
     with pytest.raises(TypeError, match=r"module\.table\[<Unprintable>\] holds a module of the tree"):
         fdp.functional_call(net, zeros, (x,))
+
+
+class Helper:
+    """An object outside the module's tree, with a method a module may store."""
+
+    factor = 3.0
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class Kind(enum.Enum):
+    DOUBLE = 2.0
+
+
+Pair = collections.namedtuple("Pair", ["f", "k"])
+
+
+def closure_of(k: float):
+    return lambda x: x * k
+
+
+UNRELATED = {
+    "method of another object": (lambda: Helper().scale, lambda v, y: v(y)),
+    "enum": (lambda: Kind.DOUBLE, lambda v, y: y * v.value),
+    "class": (lambda: nn.Tanh, lambda v, y: v()(y)),
+    "partial of a function": (lambda: functools.partial(torch.mul, other=2.0), lambda v, y: v(y)),
+    "closure": (lambda: closure_of(2.0), lambda v, y: v(y)),
+    "namedtuple": (lambda: Pair(torch.tanh, 2.0), lambda v, y: v.f(y) * v.k),
+    "OrderedDict": (lambda: collections.OrderedDict(f=torch.tanh, k=2.0), lambda v, y: v["f"](y) * v["k"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNRELATED))
+def test_attributes_that_reach_nothing_of_the_tree_reach_the_copy_as_they_are(kind: str) -> None:
+    # Nothing in them to bind to the copy: the very object, not one rebuilt around it.
+    make, use = UNRELATED[kind]
+    seen = []
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.value = make()
+
+        def forward(self, x):
+            seen.append(self.value)
+            return use(self.value, self.lin(x))
+
+    net = Holder()
+    x = torch.randn(5, 2)
+    params = random_params(net)
+    for _ in range(2):  # built, then kept
+        torch.testing.assert_close(
+            fdp.functional_call(net, params, (x,)), torch.func.functional_call(net, params, (x,))
+        )
+    assert all(value is net.value for value in seen)
