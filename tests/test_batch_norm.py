@@ -267,6 +267,10 @@ def test_convert_keeps_the_same_tensors_and_state_dict() -> None:
     for k, v in [*converted.named_parameters(), *converted.named_buffers()]:
         assert v is tensors[k], k
     assert all(torch.equal(v, before[k]) for k, v in converted.state_dict().items())
+    # A quantization config rides along, as torch's convert_sync_batchnorm keeps it.
+    norm = nn.BatchNorm1d(2)
+    norm.qconfig = "a qconfig"  # type: ignore[assignment]
+    assert fdp.SyncBatchNorm.convert_sync_batchnorm(norm, axis_name="i").qconfig == "a qconfig"
     # A batch norm at the root comes back as a new layer; torch's SyncBatchNorm converts too.
     assert isinstance(
         fdp.SyncBatchNorm.convert_sync_batchnorm(nn.SyncBatchNorm(2), axis_name="i"), fdp.SyncBatchNorm

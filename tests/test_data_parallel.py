@@ -388,6 +388,26 @@ def test_a_call_without_tensors_runs_once_on_the_first_device(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
+def test_a_call_without_tensors_keeps_the_buffers_it_updates(n: int) -> None:
+    # Run on the first device alone (as nn.DataParallel runs it), through fdp's functional call
+    # where the module is not run itself: the running statistics it updates reach the module.
+    class Sampled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(3)
+
+        def forward(self, rows: int = 8) -> torch.Tensor:
+            return self.norm(torch.arange(rows * 3.0).reshape(rows, 3))
+
+    net, alone = Sampled(), Sampled()
+    model = fdp.DataParallel(net, device_ids=cpus(n))
+    for rows in (8, 5):
+        torch.testing.assert_close(model(rows), alone(rows))
+    for name, buffer in alone.named_buffers():
+        torch.testing.assert_close(net.get_buffer(name), buffer)
+
+
+@pytest.mark.parametrize("n", [1, 2])
 def test_a_module_written_as_a_dataclass_runs_with_its_own_weights(n: int) -> None:
     @dataclasses.dataclass(eq=False)
     class Dense(nn.Module):

@@ -25,6 +25,8 @@ def test_one_function_kwargs_and_inferred_devices() -> None:
     out = fdp.parallel_apply(lambda x, *, k: x * k, [(torch.ones(1),), torch.ones(2)], [{"k": 2}, {"k": 3}])
     torch.testing.assert_close(out[0], torch.full((1,), 2.0))
     torch.testing.assert_close(out[1], torch.full((2,), 3.0))
+    # No tensor in an entry's arguments: it runs on the CPU.
+    assert fdp.parallel_apply(lambda k: k * 2, [(1,), ("a",)]) == [2, "aa"]
 
 
 def test_only_a_tuple_spreads_into_arguments() -> None:
