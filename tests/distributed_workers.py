@@ -92,6 +92,21 @@ def collectives(rank: int, world: int, folder: str) -> None:
         # torch.func.grad inside the replicas: psum's transpose spans the processes too.
         inner = f(lambda x: torch.func.grad(lambda x: fdp.psum(x.square().sum(), "i"))(x))(shard)
         out["inner_grad"] = inner.flatten().tolist()
+        # The same for all_gather: outer backward, and its transpose (psum_scatter) inside.
+        c = torch.arange(1.0, 5.0)
+        w = torch.tensor(2.0, requires_grad=True)
+        gathered = fdp.pmap(
+            lambda x, w: fdp.all_gather((x * w).sum(), "i"),
+            axis_name="i",
+            in_axes=(0, None),
+            devices=["cpu", "cpu"],
+            split="balanced",
+            out_axes=None,
+        )(shard, w)
+        (gathered * c).sum().backward()
+        out["all_gather_outer_grad"] = float(w.grad)
+        inner = f(lambda x: torch.func.grad(lambda x: (fdp.all_gather(x.sum(), "i") * c).sum())(x))(shard)
+        out["all_gather_inner_grad"] = inner.flatten().tolist()
         # A call inside rng_scope: replica r of the scope's k-th call draws in
         # fold_in(fold_in(seed, k), r), r its global index, so no two of the 4 replicas alike.
         with fdp.rng_scope(11):
