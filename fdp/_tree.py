@@ -36,7 +36,6 @@ __all__ = [
     "flatten_with_paths",
     "describe",
     "short_repr",
-    "is_tensor",
 ]
 
 NAMESPACE = "fdp"
@@ -73,10 +72,6 @@ _seen_generation: tuple[int, Any] | None = None
 # stay leaves, and splitting one that holds tensors is an error (see unsplittable_reason).
 OPAQUE_DATACLASSES: dict[type, str] = {}
 _REGISTRY_LOCK = threading.Lock()
-
-
-def is_tensor(value: object) -> bool:
-    return isinstance(value, torch.Tensor)
 
 
 def _register_dataclass(cls: type) -> None:
