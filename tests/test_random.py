@@ -143,6 +143,33 @@ def test_checkpoint_around_a_whole_pmapped_call_replays_the_masks(axis_name: str
         assert torch.equal(x.grad, 2 * y.detach()), trial
 
 
+def test_checkpoint_after_a_draw_in_the_scope_replays_the_masks_from_where_the_generator_was() -> None:
+    # The generator the scope made for the first draw is saved with the region and restored for
+    # the recomputation: the masks are the forward's, not the next ones.
+    from torch.utils.checkpoint import checkpoint
+
+    for trial in range(10):
+        x = torch.ones(64, requires_grad=True)
+        with fdp.rng_scope(trial):
+            torch.rand(3)  # the CPU generator of the scope, drawn from before the region
+            y = checkpoint(
+                lambda t: F.dropout(t, 0.5) * t, x, use_reentrant=False, context_fn=fdp.rng_checkpoint_context
+            )
+        y.sum().backward()
+        assert torch.equal(x.grad, 2 * y.detach()), trial  # d/dx dropout(x) * x = 2 mask / (1 - p) at 1
+
+
+def test_checkpoint_context_outside_a_scope_leaves_the_replay_to_torch() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(64, requires_grad=True)
+    y = checkpoint(
+        lambda t: F.dropout(t, 0.5) * t, x, use_reentrant=False, context_fn=fdp.rng_checkpoint_context
+    )
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * y.detach())
+
+
 def test_checkpoint_recomputes_the_same_masks_on_every_backward_pass() -> None:
     # Each backward pass recomputes the region (retain_graph=True, or torch.autograd.grad
     # twice): each must replay the forward's masks, not fail on a used-up context.
