@@ -55,6 +55,17 @@ def test_attributes_and_state_dict_match_nn_data_parallel() -> None:
     ours.load_state_dict(torch.load(buffer, weights_only=True))
 
 
+def test_without_device_ids_every_visible_gpu_else_the_cpu() -> None:
+    # As nn.DataParallel(model): every visible CUDA device; without one, the CPU (where torch's
+    # runs the module itself, with device_ids=[]).
+    inner = nn.Linear(5, 2)
+    ours = fdp.DataParallel(inner)
+    expected = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+    assert ours.device_ids == expected and ours.output_device == expected[0]
+    x = torch.randn(6, 5)
+    torch.testing.assert_close(ours(x).cpu(), inner.cpu()(x), atol=1e-5, rtol=1e-4)
+
+
 def test_seed_tutorial_with_only_the_class_name_changed(capsys: pytest.CaptureFixture[str]) -> None:
     # The tutorial's code, with nn.DataParallel replaced by fdp.DataParallel (and CPU devices,
     # since this machine has no GPU).
