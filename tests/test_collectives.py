@@ -722,6 +722,15 @@ def test_replicas_passing_different_shapes() -> None:
                 devices=cpus(2),
             )(torch.zeros(2))
         )
+    # Leaves that agree come first: the one that differs is named, not the first.
+    with pytest.raises(
+        ValueError, match=r"at x\['b'\]: replica 0 passed float32\[1\] but replica 1 passed float32\[2\]"
+    ):
+        finishes(
+            lambda: per_row(lambda x: fdp.psum({"a": x, "b": torch.ones(1 + fdp.axis_index("i"))}, "i"), n=2)(
+                rows(2)
+            )
+        )
     # The advice fits the collective: a reduction can take a sum first, a gather cannot.
     with pytest.raises(ValueError, match=r"replica 1 passed float32\[1\]\. .*pad per-replica values"):
         finishes(
