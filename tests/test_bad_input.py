@@ -366,7 +366,17 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda: (),
         lambda a: fdp.optim.adam("1e-3"),
         TypeError,
-        r"^fdp.optim.adam: lr must be a non-negative number, got str: '1e-3'$",
+        r"^fdp.optim.adam: lr must be a non-negative number or a Schedule \(a function of the steps taken\), "
+        r"got str: '1e-3'$",
+    ),
+    (
+        "a learning-rate schedule whose value at a step is negative, NaN or not a number",
+        lambda: {"w": torch.ones(2)},
+        lambda params: fdp.optim.sgd(lambda step: 0.1 - step * 0.1).apply_gradients(
+            params, fdp.optim.SgdState(2, None), params
+        ),
+        ValueError,
+        r"^fdp.optim.sgd: lr, a schedule, at step 2, must be non-negative, got -0.1$",
     ),
     (
         # Was refused by the pmap beneath, as "fdp.pmap(_forward_replica): axis_name ...".
