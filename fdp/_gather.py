@@ -23,7 +23,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _axes, _devices, _state, _thread_state, _transfer, _tree
+from . import _axes, _devices, _state, _transfer, _tree
 
 __all__ = ["gather", "gather_outputs"]
 
@@ -114,25 +114,22 @@ def gather_outputs(
             )
         if plan.all_per_replica and devices is not None:  # resident state
             return _tree.unflatten(treespec, _lone_per_replica(leaves, inputs, devices))
-    return _joined(outputs, leaves, treespec, plan, destination, caller, check, devices, inputs, rename)
-
-
-@_thread_state.without_autocast  # cat and stack keep every dtype, under any autocast
-def _joined(
-    outputs: Sequence[Any],
-    leaves: list[Any],
-    treespec: optree.PyTreeSpec,
-    plan: OutputPlan,
-    destination: torch.device,
-    caller: str,
-    check: bool,
-    devices: Sequence[torch.device] | None,
-    inputs: Sequence[Any],
-    rename: Callable[[str], str] | None,
-) -> Any:
-    """:func:`gather_outputs` past a lone replica's shortcuts: the replicas' outputs joined,
-    replica 0's flattened to ``leaves`` along ``treespec``."""
-    lone = len(outputs) == 1
+    if torch._C._is_any_autocast_enabled():  # type: ignore[attr-defined]
+        # fdp's own cat and stack must keep every dtype (see _thread_state.without_autocast):
+        # the call again with autocast off, rather than a wrapper on the usual path.
+        with torch._C._DisableAutocast():  # type: ignore[attr-defined]
+            return gather_outputs(
+                outputs,
+                destination,
+                out_axes,
+                caller=caller,
+                check=check,
+                plans=plans,
+                devices=devices,
+                inputs=inputs,
+                structure=structure,
+                rename=rename,
+            )
     flat = [(leaves, treespec)]
     if not lone:
         types = list(map(type, leaves))

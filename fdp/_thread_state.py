@@ -79,9 +79,13 @@ _AUTOCAST_DEVICE_TYPES = tuple(
 
 
 # The device types whose autocast dtype, set while autocast is off, is carried to the replicas
-# (and taken back from a worker a replica left it set in): the CPU's and CUDA's, not the rarer
-# device types', whose reads would cost every call as much again.
-_CARRIED_DTYPES = tuple(t for t in ("cpu", "cuda") if t in _AUTOCAST_DEVICE_TYPES)
+# (and taken back from a worker a replica left it set in): the CPU's, and CUDA's in a build
+# with CUDA; not the rarer device types', whose reads would cost every call as much again.
+_CARRIED_DTYPES = tuple(
+    t
+    for t in ("cpu", "cuda")
+    if t in _AUTOCAST_DEVICE_TYPES and (t != "cuda" or torch.backends.cuda.is_built())
+)
 _fresh_dtypes: tuple[torch.dtype, ...] | None = None
 
 
@@ -170,10 +174,18 @@ def capture() -> ThreadState:
             (t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
         )
     autocast_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-    for t, fresh_dtype in zip(_CARRIED_DTYPES, _fresh_dtypes or _fresh_autocast_dtypes()):
-        dtype = torch.get_autocast_dtype(t)
-        if dtype is not fresh_dtype and not (any_autocast and torch.is_autocast_enabled(t)):
-            autocast_dtypes += ((t, dtype),)
+    fresh_dtypes = _fresh_dtypes or _fresh_autocast_dtypes()
+    # The CPU's dtype, read alone in a build without CUDA: this runs on every call.
+    if torch.get_autocast_dtype("cpu") is not fresh_dtypes[0] or (
+        len(fresh_dtypes) > 1 and torch.get_autocast_dtype("cuda") is not fresh_dtypes[1]
+    ):  # rare: a dtype set while autocast is off (or on: entered above)
+        autocast_dtypes = tuple(
+            (t, dtype)
+            for t, dtype, fresh_dtype in zip(
+                _CARRIED_DTYPES, map(torch.get_autocast_dtype, _CARRIED_DTYPES), fresh_dtypes
+            )
+            if dtype is not fresh_dtype and not (any_autocast and torch.is_autocast_enabled(t))
+        )
     inference_mode = torch.is_inference_mode_enabled()
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # type: ignore[attr-defined]
     rare = _rare()
