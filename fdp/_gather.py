@@ -425,9 +425,12 @@ def gather(
     Args:
         trees: the replicas' trees, all of the same structure.
         device: where the result goes (``"cpu"`` allowed).
-        out_axes: an int, ``None``, or a tree prefix of the trees. Int: tensors are concatenated
-            along that dim (0-dim tensors are stacked into a vector). ``None``: the value of the
-            replica on ``device`` (else the first replica's, moved) is returned. Default: ``0``.
+        out_axes: an int, ``None``, :data:`fdp.PER_REPLICA`, or a tree prefix of the trees.
+            Int: tensors are concatenated along that dim (0-dim tensors are stacked into a
+            vector). ``None``: the value of the replica on ``device`` (else the first replica's,
+            moved) is returned. ``PER_REPLICA``: each leaf becomes a :class:`fdp.PerReplica` of
+            the replicas' values, left where they are (a value that shares memory with an
+            earlier replica's is copied). Default: ``0``.
 
     Returns:
         One tree with the replicas' structure. Non-tensor leaves are returned once, and must
