@@ -874,6 +874,47 @@ def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
     return hook
 
 
+class _Join(torch.autograd.Function):
+    """Aliases of one replica's buffers whose gradients reach the buffers in one node, so in
+    one fixed order (see :func:`_joined`)."""
+
+    @staticmethod
+    def forward(*buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(b.view_as(b) for b in buffers)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return grads
+
+
+def _joined(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A replica's buffers (several: leaves of several dtypes or devices) as it hands them to
+    the exchange: under deterministic algorithms, through :class:`_Join`.
+
+    Each buffer's gradient is complete once every replica's result has its own (the chain of
+    :func:`_transfer.fan_out`), and which buffer's completes first depends on the engine's
+    order across the replicas' threads, which changes from call to call. A tensor that feeds
+    two buffers (``{"a": h, "b": h.float()}``) and is used once more then added the three parts
+    of its gradient in a changing order: different gradients, in the last bits, on identical
+    calls. Joined, the buffers' gradients leave together, in buffer order.
+    """
+    if not torch.are_deterministic_algorithms_enabled():  # first: the usual case, ~0.1 µs
+        return buffers
+    # Only the buffers autograd follows: a joined one would require grad, and so would its
+    # results, where the collective's results otherwise keep their leaves' requires_grad.
+    followed = [k for k, b in enumerate(buffers) if _in_replica_order(b)]
+    if len(followed) < 2:
+        return buffers
+    joined = list(buffers)
+    for k, b in zip(followed, _Join.apply(*(buffers[k] for k in followed))):
+        joined[k] = b
+    return joined
+
+
 @_thread_state.without_autocast
 def _run(
     op: _Op, tree: Any, axis_name: Hashable, extra: Any = None, *, numbers: str = "as_is"
@@ -888,9 +929,15 @@ def _run(
         # The only replica: its result is its own value, in memory of its own; no exchange.
         results = packed.private_buffers()
     elif op.defers(context.group):
-        results = _exchange(op, context, packed.private_buffers(), extra, packed, defer=True)
+        buffers = packed.private_buffers()
+        if len(buffers) > 1:  # see _joined
+            buffers = _joined(buffers)
+        results = _exchange(op, context, buffers, extra, packed, defer=True)
     else:
-        results = _exchange(op, context, packed.buffers, extra, packed)
+        buffers = packed.buffers
+        if len(buffers) > 1:  # see _joined
+            buffers = _joined(buffers)
+        results = _exchange(op, context, buffers, extra, packed)
     # The results' graph spans every replica and is complete only when the call returns: a
     # backward through them from inside the replica must not start early. The hook sits on the
     # results' own nodes, which in-place ops on the results leave in place upstream; on a view's

@@ -162,6 +162,58 @@ def test_collectives_differentiated_through_the_call_give_the_same_gradient_ever
     assert all(torch.equal(g, grads[0]) for g in grads)
 
 
+TREE_COLLECTIVES = {
+    "psum": lambda tree: fdp.psum(tree, "i"),
+    "pmean": lambda tree: fdp.pmean(tree, "i"),
+    "pmax": lambda tree: fdp.pmax(tree, "i"),
+    "all_gather": lambda tree: {k: t.sum(0) for k, t in fdp.all_gather(tree, "i").items()},
+}
+
+
+@pytest.mark.parametrize("name", list(TREE_COLLECTIVES))
+@pytest.mark.usefixtures("deterministic")
+def test_a_collective_of_leaves_of_two_dtypes_gives_the_same_gradient_every_call(name: str) -> None:
+    # The leaves pack into two buffers, each with its chain of aliases; which chain completes
+    # first changed from call to call, and h, which feeds both buffers and the output, added
+    # its three gradients in that order: 2-4 different gradients in 12 calls.
+    collective, shuffled = TREE_COLLECTIVES[name], ShuffledEngineOrder("i")
+    torch.manual_seed(0)
+    x = (torch.randn(16, 64) * torch.logspace(-2, 1, 16)[:, None]).requires_grad_()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        shuffled.count_nodes()
+        h = x.tanh()
+        both = collective({"a": h, "b": h.double()})
+        return (both["a"] + both["b"].float()) * x + 2 * h
+
+    mapped = fdp.pmap(f, axis_name="i", devices=cpus(4))
+    grads = []
+    for _ in range(12):
+        x.grad = None
+        shuffled(mapped, x).square().sum().backward()
+        grads.append(x.grad)
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    # And still the one-device gradient, to rounding (the flag changes no value but the order).
+    torch.use_deterministic_algorithms(False)
+    x.grad = None
+    mapped(x).square().sum().backward()
+    torch.testing.assert_close(grads[0], x.grad)
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_a_collective_keeps_its_leaves_requires_grad_under_deterministic_algorithms() -> None:
+    # Only the buffers autograd follows go through the join that orders their gradients.
+    x = torch.ones(4, 2, requires_grad=True)
+    tree = fdp.pmap(
+        lambda v: fdp.psum(
+            {"a": v, "h": v.half(), "n": torch.ones(1, dtype=torch.int64), "d": torch.ones(1).double()}, "i"
+        ),
+        axis_name="i",
+        devices=cpus(2),
+    )(x)
+    assert {k: t.requires_grad for k, t in tree.items()} == {"a": True, "h": True, "n": False, "d": False}
+
+
 @pytest.mark.usefixtures("deterministic")
 def test_sync_batch_norm_gradients_are_the_same_on_every_call() -> None:
     shuffled = ShuffledEngineOrder("b")
