@@ -445,8 +445,12 @@ def _check_non_negative(name: str, **values: float) -> None:
     ``torch.optim.Adam`` writes its checks)."""
     for what, value in values.items():
         try:
+            if isinstance(value, torch.Tensor) and value.dim():
+                # One number, as a 0-dim tensor: one of shape [1] passed the comparison and
+                # failed in torch._foreach_*, in torch's words.
+                raise TypeError
             negative = not value >= 0
-        except (TypeError, RuntimeError):  # a str, None, a schedule, a tensor of several values
+        except (TypeError, RuntimeError):  # a str, None, a tensor that is not one number
             raise TypeError(
                 f"fdp.optim.{name}: {what} must be a non-negative number, got "
                 f"{type(value).__name__}: {_tree.short_repr(value)}"
@@ -473,7 +477,7 @@ def _learning_rate(lr: float | Schedule, name: str) -> Schedule:
     def scheduled(step: int) -> float:
         value = schedule(step)
         try:
-            fine = value >= 0
+            fine = value >= 0 and not (isinstance(value, torch.Tensor) and value.dim())
         except (TypeError, RuntimeError):
             fine = False
         if not fine:

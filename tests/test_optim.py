@@ -715,6 +715,12 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
             r"steps taken\), got NoneType: None$",
         ),
         (
+            lambda: optim.sgd(torch.tensor([0.1])),
+            TypeError,
+            r"^fdp\.optim\.sgd: lr must be a non-negative number or a Schedule \(a function of the steps "
+            r"taken\), got Tensor: ",
+        ),
+        (
             lambda: optim.adamw([1e-3]),
             TypeError,
             r"^fdp\.optim\.adamw: lr must be a non-negative number or a Schedule \(a function of the "
@@ -786,6 +792,11 @@ def test_hyperparameters_of_the_wrong_type_are_named(
             "0.1",
             TypeError,
             r"^fdp\.optim\.sgd: lr, a schedule, at step 2, must be a non-negative number, got str: '0\.1'$",
+        ),
+        (
+            torch.tensor([0.1]),
+            TypeError,
+            r"^fdp\.optim\.sgd: lr, a schedule, at step 2, must be a non-negative number, got Tensor: ",
         ),
     ],
 )
