@@ -440,22 +440,30 @@ def _zeros_like(tree: Tree, name: str) -> Tree:
     return _tree.unflatten(spec, [torch.zeros_like(t, memory_format=torch.preserve_format) for t in leaves])
 
 
-def _check_non_negative(name: str, **values: float) -> None:
-    """Refuses what torch.optim refuses: negative values, and NaN (``not >= 0``, as
-    ``torch.optim.Adam`` writes its checks)."""
+def _non_negative(value: Any) -> bool | None:
+    """Whether ``value`` is non-negative (NaN is not: ``not >= 0``, as ``torch.optim.Adam``
+    writes its checks), or None where it is not one number: a str, None, a tensor of several
+    values, or one of shape [1] (which passes the comparison, then fails in
+    ``torch._foreach_*`` in torch's words; one number is a 0-dim tensor)."""
+    try:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return None
+        return bool(value >= 0)
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _check_non_negative(name: str, values: dict[str, Any], *, number: str = "a non-negative number") -> None:
+    """Refuses what torch.optim refuses among ``values`` (by name): negative values and NaN, and
+    what is not ``number`` (see :func:`_non_negative`)."""
     for what, value in values.items():
-        try:
-            if isinstance(value, torch.Tensor) and value.dim():
-                # One number, as a 0-dim tensor: one of shape [1] passed the comparison and
-                # failed in torch._foreach_*, in torch's words.
-                raise TypeError
-            negative = not value >= 0
-        except (TypeError, RuntimeError):  # a str, None, a tensor that is not one number
+        fine = _non_negative(value)
+        if fine is None:
             raise TypeError(
-                f"fdp.optim.{name}: {what} must be a non-negative number, got "
+                f"fdp.optim.{name}: {what} must be {number}, got "
                 f"{type(value).__name__}: {_tree.short_repr(value)}"
-            ) from None
-        if negative:
+            )
+        if not fine:
             raise ValueError(f"fdp.optim.{name}: {what} must be non-negative, got {value!r}")
 
 
@@ -464,27 +472,18 @@ def _learning_rate(lr: float | Schedule, name: str) -> Schedule:
     checked when a step takes it (a negative or NaN one would step uphill, or poison every
     parameter, silently)."""
     if not callable(lr):
-        try:
-            _check_non_negative(name, lr=lr)
-        except TypeError:
-            raise TypeError(
-                f"fdp.optim.{name}: lr must be a non-negative number or a Schedule (a function of "
-                f"the steps taken), got {type(lr).__name__}: {_tree.short_repr(lr)}"
-            ) from None
+        number = "a non-negative number or a Schedule (a function of the steps taken)"
+        _check_non_negative(name, {"lr": lr}, number=number)
         return lambda step: lr
     schedule = lr
 
     def scheduled(step: int) -> float:
         value = schedule(step)
-        try:
-            fine = value >= 0 and not (isinstance(value, torch.Tensor) and value.dim())
-        except (TypeError, RuntimeError):
-            fine = False
-        if not fine:
+        if not _non_negative(value):
             # The message only on the way to the error: compiled, the comparison is a guard on
             # the step count that holds for every step (a value the schedule computes from it),
             # where formatting the count would specialize it and recompile every step.
-            _check_non_negative(name, **{f"lr, a schedule, at step {step},": value})
+            _check_non_negative(name, {f"lr, a schedule, at step {step},": value})
         return value
 
     return scheduled
@@ -520,7 +519,7 @@ def sgd(
         {'w': tensor([0.9000, 0.9000])}
     """
     learning_rate = _learning_rate(lr, "sgd")
-    _check_non_negative("sgd", momentum=momentum, weight_decay=weight_decay)
+    _check_non_negative("sgd", {"momentum": momentum, "weight_decay": weight_decay})
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
 
@@ -576,7 +575,7 @@ def _adam(
     name: str,
 ) -> GradientTransformation:
     learning_rate = _learning_rate(lr, name)
-    _check_non_negative(name, eps=eps, weight_decay=weight_decay)
+    _check_non_negative(name, {"eps": eps, "weight_decay": weight_decay})
     try:
         beta1, beta2 = betas
         in_range = 0 <= beta1 < 1 and 0 <= beta2 < 1
