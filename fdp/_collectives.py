@@ -500,18 +500,14 @@ class _AllReduce(_Op):
             return None
         own = _fanned(buffers)
         dtype = buffers[0].dtype
-        wide = _ACCUMULATE_IN.get(dtype)
 
         def result(r: int) -> torch.Tensor:
             # The same operations in the same order on every replica: equal results, bit for
-            # bit, and each replica's is a new tensor of its own. Half-precision buffers are
-            # added in float32 and rounded once, at the end (see _summed).
+            # bit, and each replica's is a new tensor of its own (several buffers: see
+            # _summed). Half-precision buffers are added in float32 and rounded once, at the end.
             buffers = own[r]
-            if scaling == "weighted_in":
-                return _summed(buffers, buffers[0].device, [w / weight_sum for w in extras]).to(dtype)
-            total = buffers[0] + buffers[1] if wide is None else buffers[0].to(wide).add_(buffers[1])
-            for b in buffers[2:]:
-                total = total.add_(b)
+            scales = [w / weight_sum for w in extras] if scaling == "weighted_in" else None
+            total = _summed(buffers, buffers[0].device, scales)
             if scaling == "mean":
                 total = total.div_(size)
             elif scaling == "weighted_out":
@@ -554,21 +550,28 @@ def _summed(
     """``sum_r scales[r] * buffers[r]`` (``sum_r buffers[r]`` without ``scales``) on
     ``destination``, accumulated in replica order. Half-precision buffers are accumulated in
     float32, and the total is returned in float32: the caller rounds it once, after its last
-    operation on it. Otherwise the total has the buffers' dtype and may be ``buffers[0]``
-    itself (a single buffer, unscaled)."""
+    operation on it. Otherwise the total has the buffers' dtype. It is a new tensor, which the
+    caller may change in place, but for a single unscaled buffer, returned as it is."""
     wide = _ACCUMULATE_IN.get(buffers[0].dtype)
-    if wide is None and scales is None:
-        return _transfer.reduce_add(buffers, destination) if len(buffers) > 1 else buffers[0]
-    if wide is None and scales is not None and any(b.device != destination for b in buffers):
-        return _transfer.reduce_add([b * s for b, s in zip(buffers, scales)], destination)
+    if wide is None:
+        if scales is None and len(buffers) == 1:
+            return buffers[0]
+        if any(b.device != destination for b in buffers):
+            # Between distinct GPUs, one NCCL-backed reduction (see _transfer.reduce_add).
+            return _transfer.reduce_add(
+                buffers if scales is None else [b * s for b, s in zip(buffers, scales)], destination
+            )
     # One new tensor and one pass per buffer: a gradient buffer is megabytes, and scaling (or
     # widening) each one into a tensor of its own before adding would allocate and write it twice.
     first = _transfer.to_device(buffers[0], destination)
-    if wide is not None:
-        first = first.to(wide)  # a new tensor: the buffer is half-precision
-    total = first if scales is None else first * scales[0]
-    for r, b in enumerate(buffers[1:], 1):
-        b = _transfer.to_device(b, destination)
+    if scales is not None:
+        total, rest = (first if wide is None else first.to(wide)) * scales[0], 1
+    elif wide is not None:
+        total, rest = first.to(wide), 1  # a new tensor: the buffer is half-precision
+    else:  # the sum starts in new memory, not in the first buffer
+        total, rest = first + _transfer.to_device(buffers[1], destination), 2
+    for r in range(rest, len(buffers)):
+        b = _transfer.to_device(buffers[r], destination)
         total = total.add_(b) if scales is None else total.add_(b, alpha=scales[r])
     return total
 
