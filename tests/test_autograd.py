@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -139,6 +139,17 @@ class ShuffledEngineOrder:
         with concurrent.futures.ThreadPoolExecutor(1) as caller:
             return caller.submit(f, *args).result()
 
+    def same_gradient_every_call(self, loss: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> bool:
+        """Whether 12 backward passes through ``loss()`` (a pmapped call in it), each call in
+        shuffled order, give ``leaves`` the same gradients, bit for bit."""
+        grads = []
+        for _ in range(12):
+            for t in leaves:
+                t.grad = None
+            self(loss).backward()
+            grads.append([t.grad for t in leaves])
+        return all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
+
 
 @pytest.mark.parametrize("name", list(COLLECTIVES))
 @pytest.mark.usefixtures("deterministic")
@@ -154,12 +165,7 @@ def test_collectives_differentiated_through_the_call_give_the_same_gradient_ever
         axis_name="i",
         devices=cpus(4),
     )
-    grads = []
-    for _ in range(12):
-        x.grad = None
-        shuffled(f, x).sum().backward()
-        grads.append(x.grad)
-    assert all(torch.equal(g, grads[0]) for g in grads)
+    assert shuffled.same_gradient_every_call(lambda: f(x).sum(), [x])
 
 
 TREE_COLLECTIVES = {
@@ -187,17 +193,13 @@ def test_a_collective_of_leaves_of_two_dtypes_gives_the_same_gradient_every_call
         return (both["a"] + both["b"].float()) * x + 2 * h
 
     mapped = fdp.pmap(f, axis_name="i", devices=cpus(4))
-    grads = []
-    for _ in range(12):
-        x.grad = None
-        shuffled(mapped, x).square().sum().backward()
-        grads.append(x.grad)
-    assert all(torch.equal(g, grads[0]) for g in grads)
+    assert shuffled.same_gradient_every_call(lambda: mapped(x).square().sum(), [x])
     # And still the one-device gradient, to rounding (the flag changes no value but the order).
+    ordered = x.grad
     torch.use_deterministic_algorithms(False)
     x.grad = None
     mapped(x).square().sum().backward()
-    torch.testing.assert_close(grads[0], x.grad)
+    torch.testing.assert_close(ordered, x.grad)
 
 
 @pytest.mark.usefixtures("deterministic")
@@ -229,12 +231,7 @@ def test_sync_batch_norm_gradients_are_the_same_on_every_call() -> None:
     )
     model = fdp.DataParallel(net, device_ids=cpus(4), axis_name="b")
     x = torch.randn(24, 4) * torch.logspace(-3, 3, 24)[:, None]
-    grads = []
-    for _ in range(12):
-        model.zero_grad(set_to_none=True)
-        shuffled(model, x).square().sum().backward()
-        grads.append([p.grad for p in net.parameters()])
-    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
+    assert shuffled.same_gradient_every_call(lambda: model(x).square().sum(), list(net.parameters()))
 
 
 @pytest.mark.parametrize("n", [2, 3])
