@@ -500,8 +500,9 @@ def sgd(
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
     Args:
-        lr: the learning rate: a number, or a :data:`Schedule`, a function of the steps taken
-            before this one (``lambda step: 0.1 * 0.9**step``), as a ``LambdaLR`` would set it.
+        lr: the learning rate: a number (a float, or a 0-dim tensor, whose changes in place
+            compiled steps follow), or a :data:`Schedule`, a function of the steps taken before
+            this one (``lambda step: 0.1 * 0.9**step``), as a ``LambdaLR`` would set it.
         momentum: the momentum factor, non-negative. Default: ``0.0``.
         dampening: dampening for momentum (not applied on the first step, as in torch).
             Default: ``0.0``.
@@ -542,9 +543,18 @@ def sgd(
                 torch._foreach_add_(buffers, g, alpha=1 - dampening)
             g = torch._foreach_add(g, buffers, alpha=momentum) if nesterov else buffers
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
+        if _compiled_tensor(lr):  # as torch.optim.SGD does there
+            return torch._foreach_add(p, torch._foreach_mul(g, -lr)), SgdState(state.step + 1, new_momentum)
         return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
 
     return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else (), learning_rate)
+
+
+def _compiled_tensor(lr: Any) -> bool:
+    """Whether ``lr`` is a tensor in code that torch.compile traces, where it cannot be a factor
+    given as ``alpha=``/``value=`` (a Python number: dynamo breaks the graph to read it).
+    torch.optim multiplies by such a tensor there, and eagerly passes it as a number."""
+    return isinstance(lr, torch.Tensor) and torch.compiler.is_compiling()
 
 
 def _difference(new: Leaves, old: Leaves) -> Leaves:
@@ -618,7 +628,12 @@ def _adam(
         denom = torch._foreach_sqrt(exp_avg_sq)
         torch._foreach_div_(denom, bias_correction2**0.5)
         torch._foreach_add_(denom, eps)
-        new = torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size)
+        if _compiled_tensor(step_size):
+            new = torch._foreach_add(
+                start, torch._foreach_mul(torch._foreach_div(exp_avg, denom), -step_size)
+            )
+        else:
+            new = torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size)
         if complex_params:
             new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
         return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
@@ -636,8 +651,9 @@ def adam(
     """Adam, as ``torch.optim.Adam`` (``weight_decay`` is an L2 penalty on the gradient).
 
     Args:
-        lr: the learning rate: a number, or a :data:`Schedule` of the steps taken before this
-            one, as a ``LambdaLR`` would set it (see :func:`sgd`). Default: ``1e-3``.
+        lr: the learning rate: a number (a float or a 0-dim tensor), or a :data:`Schedule` of
+            the steps taken before this one, as a ``LambdaLR`` would set it (see :func:`sgd`).
+            Default: ``1e-3``.
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator, non-negative. Default: ``1e-8``.
         weight_decay: L2 penalty, non-negative. Default: ``0.0``.
@@ -664,8 +680,9 @@ def adamw(
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
     Args:
-        lr: the learning rate: a number, or a :data:`Schedule` of the steps taken before this
-            one, as a ``LambdaLR`` would set it (see :func:`sgd`). Default: ``1e-3``.
+        lr: the learning rate: a number (a float or a 0-dim tensor), or a :data:`Schedule` of
+            the steps taken before this one, as a ``LambdaLR`` would set it (see :func:`sgd`).
+            Default: ``1e-3``.
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator, non-negative. Default: ``1e-8``.
         weight_decay: decoupled weight decay, non-negative. Default: ``1e-2``.

@@ -455,6 +455,47 @@ def test_a_learning_rate_schedule_compiles_once_not_once_per_step() -> None:
 
 
 @pytest.mark.parametrize(
+    "make",
+    [
+        lambda lr: optim.sgd(lr, momentum=0.9, weight_decay=0.1),
+        lambda lr: optim.adam(lr, weight_decay=0.1),
+        lambda lr: optim.adamw(lr, weight_decay=0.1),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+def test_a_tensor_learning_rate_compiles_and_its_changes_recompile_nothing(make: Any) -> None:
+    """A 0-dim tensor as lr, as torch.optim takes it so that a compiled step need not recompile
+    when the rate changes (in place). Compiled, the step multiplies by it (alpha= and value=,
+    which take Python numbers, failed the step with "length mismatch: [2, 1]")."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    recorder = GraphRecorder()
+    results, compiled_by_step = [], []
+    for compile in (False, {"backend": recorder}):
+        lr = torch.tensor(0.05)
+        opt = make(lr)
+
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor, opt: Any = opt) -> dict[str, Any]:
+            loss = lambda p: F.mse_loss(fdp.functional_call(model, p, (x,)), y)  # noqa: E731
+            grads = fdp.pmean(torch.func.grad(loss)(state["params"]), "b")
+            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": new_params, "opt": opt_state}
+
+        mapped = fdp.pmap(step, axis_name="b", devices=cpus(2), out_axes=fdp.PER_REPLICA, compile=compile)
+        state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(2))
+        for number in range(8):
+            if number == 5:
+                lr.fill_(0.01)  # as a scheduler does to a tensor lr: the compiled steps read it
+            state = mapped(state, x, y)
+            compiled_by_step.append(recorder.calls)
+        results.append(fdp.unreplicate(state)["params"])
+    torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-5)
+    assert compiled_by_step[-1] == compiled_by_step[-5] > 0  # nothing compiled after step 4
+
+
+@pytest.mark.parametrize(
     ("schedule", "match"),
     [
         # A value that goes negative smoothly, and one that a branch makes negative.
