@@ -13,6 +13,12 @@ The public API is re-exported here from private modules, one job each:
 * :class:`SyncBatchNorm` (``_batch_norm``): batch normalization over the replicas of an axis.
 """
 
+import torch
+
+from ._version import __version__, check_torch
+
+check_torch(torch.__version__)  # before anything reads torch's internals
+
 from . import distributed, optim
 from ._batch_norm import SyncBatchNorm
 from ._collectives import all_gather, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum
@@ -25,7 +31,6 @@ from ._random import fold_in, replica_seed, rng_checkpoint_context, rng_scope
 from ._scatter import replicate, scatter
 from ._state import PER_REPLICA, PerReplica, device_put_replicated, unreplicate
 from ._tree import NAMESPACE
-from ._version import __version__
 
 __all__ = [
     "__version__",

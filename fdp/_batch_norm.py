@@ -124,7 +124,7 @@ class SyncBatchNorm(_BatchNorm):
             raise TypeError(
                 f"fdp.SyncBatchNorm: axis_name must be hashable, as fdp.pmap's is, got {axis_name!r}"
             ) from None
-        # Not bias=bias: only recent torch's batch norms take it (2.13 does; fdp supports 2.4+). A
+        # Not bias=bias: only torch 2.12+'s batch norms take it (fdp supports 2.11+). A
         # parameter set to None is registered as absent, as torch's own bias=False does.
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         if affine and not bias:

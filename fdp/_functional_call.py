@@ -681,16 +681,13 @@ def functional_call(
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functional_call: module must be a torch.nn.Module, got {type(module).__name__}")
     # torch.compiler.is_compiling() is True only while torch.compile traces this call, when the
-    # compiler is loaded (error_on_graph_break: torch >= 2.9; before, the skeleton path).
-    no_graph_breaks = (
-        getattr(torch._dynamo, "error_on_graph_break", None) if torch.compiler.is_compiling() else None
-    )
-    if no_graph_breaks is not None:
+    # compiler is loaded.
+    if torch.compiler.is_compiling():
         # Compiled in one piece, torch.func.functional_call's swap becomes graph inputs and
         # never touches the module, so threads stay independent (the skeleton cache's lock
         # would break the graph). A graph break inside it would make the swap real, into the
         # shared module: refused, loudly, instead.
-        with no_graph_breaks(True):
+        with torch._dynamo.error_on_graph_break(True):
             return torch.func.functional_call(
                 module, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )

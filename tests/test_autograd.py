@@ -392,10 +392,9 @@ def test_checkpointed_collective_names_the_recomputation(reentrant: bool) -> Non
         out.sum().backward()
 
 
-# Forward-mode AD loads torch's decompositions through torch.jit.script once, which warns.
-_JIT_SCRIPT_DEPRECATED = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
-)
+# Forward-mode AD loads torch's decompositions through torch.jit.script once, which warns (a
+# DeprecationWarning in torch 2.13, a FutureWarning in 2.15).
+_JIT_SCRIPT_DEPRECATED = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 
 
 @_JIT_SCRIPT_DEPRECATED

@@ -562,6 +562,14 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"replicas share the module's buffers .*: change buffers in place in training mode only, or "
         r"run such a module on one device\.",
     ),
+    (
+        "fdp imported with a torch older than 2.11",
+        lambda: (),
+        lambda a: fdp._version.check_torch("2.10.0+cu128"),
+        ImportError,
+        r"fdp needs torch 2.11 or newer, but torch 2.10.0\+cu128 is installed: upgrade it with pip "
+        r"install 'torch>=2.11'",
+    ),
 ]
 
 # Entries of the catalogue that need what this file does not set up, and where they are tested.

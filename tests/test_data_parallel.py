@@ -720,7 +720,7 @@ def test_a_scripted_module_on_several_devices_gets_torchs_refusal(training: bool
     import warnings
 
     with warnings.catch_warnings():  # torch.jit is deprecated, and says so
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated")
         scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
     scripted.train(training)
     assert _data_parallel._parameters_and_buffers(scripted)[2] is training

@@ -489,7 +489,7 @@ def test_a_submodule_whose_class_changed_between_calls_runs_its_new_forward() ->
 
 def test_a_scripted_module_gets_torchs_refusal() -> None:
     with warnings.catch_warnings():  # torch.jit is deprecated, and says so
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated")
         scripted = torch.jit.script(nn.Linear(2, 2))
     ours, theirs = _both(scripted, {}, torch.randn(3, 2))
     assert ours == theirs and ours[0] is RuntimeError and "Jitted modules" in ours[1]
@@ -500,7 +500,7 @@ def test_a_scripted_submodule_is_refused_saying_why() -> None:
     # private copy of it exists. Refused by name, not with an AttributeError about
     # 'OrderedDictWrapper'.
     with warnings.catch_warnings():  # torch.jit is deprecated, and says so
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated")
         net = nn.Sequential(nn.ReLU(), nn.Sequential(torch.jit.script(nn.Linear(2, 2))))
     with pytest.raises(TypeError, match=r"fdp.functional_call: '1.0' is a scripted module"):
         fdp.functional_call(net, {"1.0.weight": torch.eye(2)}, (torch.randn(3, 2),))
