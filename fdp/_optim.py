@@ -157,7 +157,7 @@ def _attach(update: Callable[..., Any], apply: Callable[[Tree, Any, Tree], tuple
 # spec is the gradients' structure, for trees in the new state; buffers holds the leaves of the
 # state's trees named by the optimizer (momentum, moments), checked to have that structure; lr
 # is the learning rate of this step.
-_Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any], float], tuple[Any, Any]]
+_Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any], float | torch.Tensor], tuple[Any, Any]]
 
 
 def _optimizer(
@@ -166,7 +166,7 @@ def _optimizer(
     name: str,
     state_type: type[Any],
     buffers: tuple[str, ...],
-    learning_rate: Schedule,
+    learning_rate: Callable[[int], float | torch.Tensor],
 ) -> GradientTransformation:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
     one-pass ``apply_gradients``. Its state is a ``state_type``; ``buffers`` names the state's
@@ -467,7 +467,7 @@ def _check_non_negative(name: str, values: dict[str, Any], *, number: str = "a n
             raise ValueError(f"fdp.optim.{name}: {what} must be non-negative, got {value!r}")
 
 
-def _learning_rate(lr: float | Schedule, name: str) -> Schedule:
+def _learning_rate(lr: float | torch.Tensor | Schedule, name: str) -> Callable[[int], float | torch.Tensor]:
     """``lr`` as a schedule: a number, checked now, or a schedule, each of whose values is
     checked when a step takes it (a negative or NaN one would step uphill, or poison every
     parameter, silently)."""
@@ -490,7 +490,7 @@ def _learning_rate(lr: float | Schedule, name: str) -> Schedule:
 
 
 def sgd(
-    lr: float | Schedule,
+    lr: float | torch.Tensor | Schedule,
     *,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -528,7 +528,12 @@ def sgd(
         return SgdState(0, _zeros_like(params, "sgd") if momentum else None)
 
     def step(
-        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: SgdState, state_leaves: list[Leaves], lr: float
+        g: Leaves,
+        p: Leaves,
+        spec: optree.PyTreeSpec,
+        state: SgdState,
+        state_leaves: list[Leaves],
+        lr: float | torch.Tensor,
     ) -> tuple[Leaves, SgdState]:
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
             return [], SgdState(state.step + 1, _tree.unflatten(spec, []) if momentum else None)
@@ -545,7 +550,8 @@ def sgd(
         new_momentum = None if buffers is None else _tree.unflatten(spec, buffers)
         if _compiled_tensor(lr):  # as torch.optim.SGD does there
             return torch._foreach_add(p, torch._foreach_mul(g, -lr)), SgdState(state.step + 1, new_momentum)
-        return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)
+        # Eagerly, a 0-dim tensor lr is taken as the number it holds (torch.optim passes it so).
+        return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)  # type: ignore[arg-type]
 
     return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else (), learning_rate)
 
@@ -576,7 +582,7 @@ def _as_complex(leaves: Leaves, like: Leaves) -> Leaves:
 
 
 def _adam(
-    lr: float | Schedule,
+    lr: float | torch.Tensor | Schedule,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -603,7 +609,12 @@ def _adam(
         return AdamState(0, _zeros_like(params, name), _zeros_like(params, name))
 
     def step(
-        g: Leaves, p: Leaves, spec: optree.PyTreeSpec, state: AdamState, state_leaves: list[Leaves], lr: float
+        g: Leaves,
+        p: Leaves,
+        spec: optree.PyTreeSpec,
+        state: AdamState,
+        state_leaves: list[Leaves],
+        lr: float | torch.Tensor,
     ) -> tuple[Leaves, AdamState]:
         number = state.step + 1
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
@@ -633,7 +644,7 @@ def _adam(
                 start, torch._foreach_mul(torch._foreach_div(exp_avg, denom), -step_size)
             )
         else:
-            new = torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size)
+            new = torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size)  # type: ignore[arg-type]
         if complex_params:
             new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
         return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
@@ -642,7 +653,7 @@ def _adam(
 
 
 def adam(
-    lr: float | Schedule = 1e-3,
+    lr: float | torch.Tensor | Schedule = 1e-3,
     *,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -671,7 +682,7 @@ def adam(
 
 
 def adamw(
-    lr: float | Schedule = 1e-3,
+    lr: float | torch.Tensor | Schedule = 1e-3,
     *,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,

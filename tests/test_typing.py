@@ -147,6 +147,8 @@ SNIPPET = textwrap.dedent(
     clipped, _ = clip.update(grads, clip.init(None))
     opt.update(grads)  # error: call-arg
     init, update = fdp.optim.sgd(0.1, momentum=0.9)
+    fdp.optim.adam(torch.tensor(1e-3))  # a 0-dim tensor, as torch.optim takes
+    fdp.optim.sgd(lambda step: 0.1 * 0.9**step)
 
     # A transformation of one's own: the update's parameters may have any names.
     def scale(updates: Any, s: Any, p: Any = None) -> tuple[Any, Any]:
