@@ -260,7 +260,13 @@ class DataParallel(nn.Module, Generic[_M]):
         )
         if self._placed is not None and self._placed[0] == key:
             return self._placed[1]
-        copies = _scatter.replicate(params, self._devices)
+        try:
+            copies = _scatter.replicate(params, self._devices)
+        except ValueError as err:  # a meta tensor, named in fdp.replicate's words: named here in ours
+            tensors = list(params.values())
+            paths = lambda: [f"the module's {name!r}" for name in params]  # noqa: E731
+            _scatter.refuse_meta("fdp.DataParallel", tensors, range(len(tensors)), paths, self._devices, err)
+            raise
         rows = _transfer.alias_shared_leaves([[c[name] for name in params] for c in copies], self._devices)
         placed = {
             name: _state.PerReplica.prefix([row[i] for row in rows], self._devices)

@@ -102,7 +102,7 @@ def scatter_leaves(
         rows: list[list[Any]] = [list(leaves) for _ in run_on]
         _place_resident(leaves, resident, rows, run_on, caller, paths, devices, split, None)
         shared: list[tuple[int, list[torch.Tensor]]] = []
-        _place_replicated(leaves, replicated, rows, run_on, shared)
+        _place_replicated(leaves, replicated, rows, run_on, shared, caller, paths)
         if share:
             _share_for_backward(leaves, replicated, resident, rows)
         return Scattered(rows, run_on, (), shared)
@@ -139,6 +139,7 @@ def scatter_leaves(
             for r, shard in enumerate(_transfer.split_to(leaf, dim, sizes, run_on)):
                 rows[r][k] = shard
         except RuntimeError as err:  # NotImplementedError too
+            refuse_meta(caller, leaves, [k], paths, run_on, err)
             if leaf.layout == torch.strided:
                 raise
             # A sparse tensor: torch's error ("Could not run 'aten::as_strided' with arguments
@@ -150,7 +151,7 @@ def scatter_leaves(
                 f".to_dense() to split it ({type(err).__name__}: {str(err).split('. ')[0]})"
             ) from err
     shared = []
-    _place_replicated(leaves, replicated, rows, run_on, shared)
+    _place_replicated(leaves, replicated, rows, run_on, shared, caller, paths)
     if share:
         _share_for_backward(leaves, replicated, resident, rows)
     return Scattered(rows, run_on, sizes, shared)
@@ -270,18 +271,46 @@ def _place_replicated(
     rows: list[list[Any]],
     run_on: tuple[torch.device, ...],
     shared: list[tuple[int, list[torch.Tensor]]],
+    caller: str,
+    paths: Callable[[], list[str]],
 ) -> None:
     """Copies the axis-None tensors to every replica's device (shared on one device)."""
     if not replicated:
         return
-    copies = _transfer.alias_shared_leaves(
-        _transfer.broadcast([leaves[k] for k in replicated], run_on), run_on
-    )
+    try:
+        copies = _transfer.alias_shared_leaves(
+            _transfer.broadcast([leaves[k] for k in replicated], run_on), run_on
+        )
+    except RuntimeError as err:  # NotImplementedError too
+        refuse_meta(caller, leaves, replicated, paths, run_on, err)
+        raise
     for j, k in enumerate(replicated):
         per_replica = [copies[r][j] for r in range(len(run_on))]
         for r, copy in enumerate(per_replica):
             rows[r][k] = copy
         shared.append((k, per_replica))
+
+
+def refuse_meta(
+    caller: str,
+    leaves: Sequence[Any],
+    indices: Sequence[int],
+    paths: Callable[[], Sequence[str]],
+    devices: Sequence[torch.device],
+    err: BaseException,
+) -> None:
+    """Raises a ValueError naming the first meta tensor among ``leaves[k]`` for ``k`` in
+    ``indices``, if any, after a copy to ``devices`` failed with ``err``: torch refuses to copy
+    one ("Cannot copy out of meta tensor; no data!") without naming the call or the argument."""
+    for k in indices:
+        leaf = leaves[k]
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            raise ValueError(
+                f"{caller}: {paths()[k]} is a meta tensor (type {_tree.describe(leaf)}), which holds "
+                f"no data to give the replicas on {', '.join(map(str, devices))}: make it on one of "
+                "those devices (a module built on the meta device needs module.to_empty(device=...) "
+                "and its parameters initialized first)"
+            ) from err
 
 
 def _share_for_backward(
@@ -493,7 +522,12 @@ def replicate(tree: T, devices: Sequence[_devices.DeviceLike]) -> list[T]:
     resolved = _devices.resolve_devices(devices, what="fdp.replicate devices")
     leaves, treespec = _tree.flatten(tree)
     tensor_slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    copies = _transfer.broadcast([leaves[k] for k in tensor_slots], resolved)
+    try:
+        copies = _transfer.broadcast([leaves[k] for k in tensor_slots], resolved)
+    except RuntimeError as err:  # NotImplementedError too
+        paths = lambda: _tree.flatten_with_paths(tree, "tree")[0]  # noqa: E731
+        refuse_meta("fdp.replicate", leaves, tensor_slots, paths, resolved, err)
+        raise
     result = []
     for r in range(len(resolved)):
         row = list(leaves)

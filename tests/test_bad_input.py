@@ -563,6 +563,37 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"run such a module on one device\.",
     ),
     (
+        "a meta tensor among the inputs, or a module's parameters on the meta device",
+        lambda: (torch.ones(4, 3), torch.empty(4, 3, device="meta")),
+        lambda a: pm(lambda x, y: x + y)(*a),
+        ValueError,
+        r"fdp.pmap\(.*\): args\[1\] is a meta tensor \(type float32\[4,3\]\), which holds no data to "
+        r"give the replicas on cpu, cpu: make it on one of those devices \(a module built on the meta "
+        r"device needs module.to_empty\(device=...\)",
+    ),
+    (
+        "a meta tensor among the inputs, or a module's parameters on the meta device",
+        lambda: ({"w": torch.empty(3, device="meta")}, torch.ones(4, 3)),
+        lambda a: pm(lambda p, x: x * p["w"], in_axes=(None, 0))(*a),
+        ValueError,
+        r"fdp.pmap\(.*\): args\[0\]\['w'\] is a meta tensor \(type float32\[3\]\)",
+    ),
+    (
+        "a meta tensor among the inputs, or a module's parameters on the meta device",
+        lambda: (torch.ones(4, 3),),
+        lambda a: fdp.DataParallel(nn.Linear(3, 3, device="meta"), device_ids=cpus(2))(*a),
+        ValueError,
+        r"fdp.DataParallel: the module's 'weight' is a meta tensor \(type float32\[3,3\]\), which holds "
+        r"no data to give the replicas on cpu, cpu",
+    ),
+    (
+        "a meta tensor among the inputs, or a module's parameters on the meta device",
+        lambda: ({"w": torch.empty(2, device="meta")},),
+        lambda a: fdp.replicate(a[0], cpus(2)),
+        ValueError,
+        r"fdp.replicate: tree\['w'\] is a meta tensor \(type float32\[2\]\)",
+    ),
+    (
         "fdp imported with a torch older than 2.11",
         lambda: (),
         lambda a: fdp._version.check_torch("2.10.0+cu128"),
@@ -610,8 +641,9 @@ def test_bad_input(
     for now, then in zip(after, before):
         assert now is then[0]
         if len(then) == 3 and name != "in-place update of a replicated input":  # mutated by the user's fn
-            dense = now.layout != torch.strided  # torch.equal takes strided tensors only
-            assert torch.equal(now.to_dense(), then[1].to_dense()) if dense else torch.equal(now, then[1])
+            if not now.is_meta:  # (a meta tensor holds no values to compare; its version counter says)
+                dense = now.layout != torch.strided  # torch.equal takes strided tensors only
+                assert torch.equal(now.to_dense(), then[1].to_dense()) if dense else torch.equal(now, then[1])
             assert now._version == then[2]
 
 
