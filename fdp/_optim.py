@@ -750,9 +750,17 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return grads, state
         try:
             norms = torch._foreach_norm(g, 2.0)
-        except (TypeError, RuntimeError):
+        except (TypeError, RuntimeError) as err:
             # Named only on failure, as below: torch's error names neither the call nor the leaf.
-            _refuse_non_tensors("fdp.optim.clip_by_global_norm: update", "grads", grads, g)
+            where = "fdp.optim.clip_by_global_norm: update"
+            _refuse_non_tensors(where, "grads", grads, g)
+            for i, t in enumerate(g):
+                if not (t.is_floating_point() or t.is_complex()):  # torch's norm takes no others
+                    path = _tree.flatten_with_paths(grads, "grads")[0][i]
+                    raise TypeError(
+                        f"{where} got {path} of type {_tree.describe(t)}; gradients must be "
+                        "floating point or complex"
+                    ) from err
             raise
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -540,6 +540,18 @@ def test_clip_by_global_norm_refuses_leaves_that_are_not_tensors() -> None:
         clip.update({"w": torch.ones(2), "step": 0}, clip.init(None))
 
 
+def test_clip_by_global_norm_names_an_integer_gradient() -> None:
+    # torch's norm said "linalg.vector_norm: Expected a floating point or complex tensor as
+    # input. Got Long", naming neither the call nor the leaf.
+    clip = optim.clip_by_global_norm(1.0)
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.optim\.clip_by_global_norm: update got grads\['w'\] of type int64\[3\]; gradients "
+        r"must be floating point or complex$",
+    ):
+        clip.update({"b": torch.ones(2), "w": torch.ones(3, dtype=torch.int64)}, clip.init(None))
+
+
 def test_per_replica_leaves_outside_the_pmapped_function_are_refused_with_a_hint() -> None:
     # Resident state outside the step: each replica's tensors are only seen inside pmap.
     import fdp
