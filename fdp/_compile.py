@@ -193,17 +193,9 @@ _UNSEEN, _DYNAMIC = object(), object()
 
 
 def _global_state() -> Any:
-    """torch's global state that dynamo guards on, captured by dynamo's own guard; on a torch
-    without it, a stand-in that never changes."""
-    try:
-        return torch._C._dynamo.guards.GlobalStateGuard()
-    except AttributeError:  # pragma: no cover - older torch
-        return _Unchanged()
-
-
-class _Unchanged:
-    def check(self) -> bool:
-        return True
+    """torch's global state that dynamo guards on, captured by dynamo's own guard (every
+    supported torch has it: tests/test_torch_internals.py checks that it tells a change)."""
+    return torch._C._dynamo.guards.GlobalStateGuard()
 
 
 def _graphs_compiled() -> int:
@@ -236,33 +228,30 @@ def eager_under_compile(fn: _F, *, why: str | None = None) -> _F:
     calls run eagerly, and a second graph takes over after it.
 
     ``torch.compiler.disable`` itself would wrap every call and import the compiler (seconds)
-    with fdp; the same two marks are set on ``fn`` directly instead, through the compiler's C
-    extension. On a torch without it, ``fn`` stays unmarked: compiled code around it still
-    runs correctly, with more graph breaks.
+    with fdp; the same two marks are set on ``fn`` directly instead (the attributes that
+    ``torch._dynamo.disable(fn, recursive=False)`` sets), and its code is marked through the
+    compiler's C extension. tests/test_torch_internals.py checks that torch still reads both.
     """
-    if never_compiled(fn):
-        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
-        # What dynamo says of the break, e.g. to torch.compile(..., fullgraph=True).
-        fn._torchdynamo_disable_msg = why or (  # type: ignore[attr-defined]
-            f"fdp runs {fn.__qualname__} eagerly, as a graph break: it waits for or runs "
-            "replicas in other threads, which torch.compile cannot trace (fullgraph=True cannot "
-            "hold it). To compile what the replicas run, use fdp.pmap(fn, compile=True)."
-        )
+    never_compiled(fn)
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
+    # What dynamo says of the break, e.g. to torch.compile(..., fullgraph=True).
+    fn._torchdynamo_disable_msg = why or (  # type: ignore[attr-defined]
+        f"fdp runs {fn.__qualname__} eagerly, as a graph break: it waits for or runs "
+        "replicas in other threads, which torch.compile cannot trace (fullgraph=True cannot "
+        "hold it). To compile what the replicas run, use fdp.pmap(fn, compile=True)."
+    )
     return fn
 
 
-def never_compiled(fn: Callable[..., Any]) -> bool:
+def never_compiled(fn: Callable[..., Any]) -> None:
     """Has dynamo run frames of ``fn``, and every Python frame they call, as they are.
 
     Also for functions that torch calls from C++ inside a collective (an autograd Function's
     forward and backward, under ``torch.func.grad`` in compiled code): a skip does not reach
-    through C++ frames. False on a torch without the C extension's strategy (before 2.6).
+    through C++ frames. Called at import on fdp's own functions: a torch without the C
+    extension's strategy fails ``import fdp`` naming it, rather than compile collectives wrongly.
     """
-    try:
-        from torch._C._dynamo import eval_frame
+    from torch._C._dynamo import eval_frame
 
-        skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older torch
-        return False
-    return True
+    skip = eval_frame._FrameAction.SKIP
+    eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
