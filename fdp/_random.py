@@ -137,14 +137,25 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
 
 
 _aten = torch.ops.aten
-# Kernels that draw their dropout masks internally, from the device's default generator.
+# Kernels that draw their dropout masks internally, from the device's default generator: every
+# attention kernel torch tags nondeterministic_seeded that takes a dropout_p and no generator,
+# and may draw with it (tests/test_torch_internals.py checks that a new torch adds none
+# unlisted). One that a torch no longer has is skipped: nothing can call it there.
 _INTERNAL_DROPOUT = {
-    _aten._scaled_dot_product_flash_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu,
-    _aten._scaled_dot_product_efficient_attention,
-    _aten._scaled_dot_product_cudnn_attention,
-    _aten._flash_attention_forward,
-    _aten._efficient_attention_forward,
+    getattr(_aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",  # a PrivateUse1 or XPU backend's
+        "_scaled_dot_product_attention_math_for_mps",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+        "_cudnn_attention_forward",
+        "_triton_scaled_dot_attention",
+    )
+    if hasattr(_aten, name)
 }
 _RANDOM_OPS_WITHOUT_GENERATOR = {
     "rand",

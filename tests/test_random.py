@@ -187,13 +187,33 @@ def test_checkpoint_recomputes_the_same_masks_on_every_backward_pass() -> None:
         assert torch.equal(grad, expected)
 
 
-def test_fused_attention_kernels_with_internal_dropout_refuse() -> None:
-    q = torch.ones(1, 1, 4, 8)
+_Q = torch.ones(1, 1, 4, 8)
+# One call with dropout_p=0.5 per fused attention kernel that draws its mask inside; refused by
+# the scope before any kernel runs, so the CUDA, MPS and XPU ones are reached with CPU tensors.
+# (The cuDNN, Triton, MPS and overrideable ones were let through to the global generator.)
+_INTERNAL_DROPOUT_CALLS = {
+    "flash_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(_Q, _Q, _Q, 0.5),
+    "flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention(_Q, _Q, _Q, 0.5),
+    "efficient": lambda: torch.ops.aten._scaled_dot_product_efficient_attention(_Q, _Q, _Q, None, False, 0.5),
+    "cudnn": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(_Q, _Q, _Q, None, False, 0.5),
+    "cudnn_forward": lambda: torch.ops.aten._cudnn_attention_forward(
+        _Q, _Q, _Q, None, None, None, 4, 4, False, 0.5
+    ),
+    "overrideable": lambda: torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        _Q, _Q, _Q, None, 0.5
+    ),
+    "math_for_mps": lambda: torch.ops.aten._scaled_dot_product_attention_math_for_mps(_Q, _Q, _Q, None, 0.5),
+    "triton": lambda: torch.ops.aten._triton_scaled_dot_attention(_Q, _Q, _Q, 0.5),
+}
+
+
+@pytest.mark.parametrize("kernel", list(_INTERNAL_DROPOUT_CALLS))
+def test_fused_attention_kernels_with_internal_dropout_refuse(kernel: str) -> None:
     with (
         fdp.rng_scope(0),
         pytest.raises(NotImplementedError, match="draws its dropout mask inside the kernel"),
     ):
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.5)
+        _INTERNAL_DROPOUT_CALLS[kernel]()
 
 
 def test_draws_repeat_across_processes() -> None:
