@@ -507,9 +507,10 @@ def _cell_contents(cell: Any) -> Any:
 def compiled_module_type() -> type | tuple[()]:
     """The class of ``torch.compile``'d modules (``OptimizedModule``), for ``isinstance``; an
     empty tuple while torch._dynamo is not loaded (there is none then, and loading it takes
-    seconds)."""
+    seconds). Once it is loaded, read strictly: were torch to move the class, a compiled module
+    would pass the checks that use this and run on its own module's tensors, silently."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(eval_frame, "OptimizedModule", ())
+    return () if eval_frame is None else eval_frame.OptimizedModule
 
 
 _FREE: weakref.WeakKeyDictionary[nn.Module, list[_Skeleton]] = weakref.WeakKeyDictionary()

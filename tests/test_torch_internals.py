@@ -274,6 +274,18 @@ def test_compiled_graphs_are_counted_and_compiled_modules_recognized() -> None:
         torch._dynamo.reset()
 
 
+def test_a_compiled_module_check_without_optimized_module_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not a check skipped in silence (it used to be): the compiled module would run on its own
+    # module's tensors, not the call's.
+    import torch._dynamo.eval_frame
+
+    monkeypatch.delattr(torch._dynamo.eval_frame, "OptimizedModule")
+    with pytest.raises(AttributeError, match="OptimizedModule"):
+        fdp.functional_call(nn.Linear(2, 2), {}, (torch.ones(1, 2),))
+
+
 def test_optrees_registry_is_a_dict_of_registrations() -> None:
     class Node:
         pass
