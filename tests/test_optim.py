@@ -530,26 +530,28 @@ def test_init_refuses_leaves_that_are_not_tensors(make: Callable[[], Any]) -> No
         opt.init({"w": torch.ones(2), "step": 3})
 
 
-def test_clip_by_global_norm_refuses_leaves_that_are_not_tensors() -> None:
+@pytest.mark.parametrize(
+    ("grads", "error", "match"),
+    [
+        (
+            {"w": torch.ones(2), "step": 0},
+            ValueError,
+            r"grads\['step'\] of type int; fdp\.optim steps tensors only",
+        ),
+        # torch's norm said "linalg.vector_norm: Expected a floating point or complex tensor as
+        # input. Got Long", naming neither the call nor the leaf.
+        (
+            {"b": torch.ones(2), "w": torch.ones(3, dtype=torch.int64)},
+            TypeError,
+            r"grads\['w'\] of type int64\[3\]; gradients must be floating point or complex$",
+        ),
+    ],
+    ids=["not a tensor", "integer"],
+)
+def test_clip_by_global_norm_names_a_leaf_it_cannot_clip(grads: Any, error: type, match: str) -> None:
     clip = optim.clip_by_global_norm(1.0)
-    with pytest.raises(
-        ValueError,
-        match=r"^fdp\.optim\.clip_by_global_norm: update got grads\['step'\] of type int; fdp\.optim "
-        r"steps tensors only",
-    ):
-        clip.update({"w": torch.ones(2), "step": 0}, clip.init(None))
-
-
-def test_clip_by_global_norm_names_an_integer_gradient() -> None:
-    # torch's norm said "linalg.vector_norm: Expected a floating point or complex tensor as
-    # input. Got Long", naming neither the call nor the leaf.
-    clip = optim.clip_by_global_norm(1.0)
-    with pytest.raises(
-        TypeError,
-        match=r"^fdp\.optim\.clip_by_global_norm: update got grads\['w'\] of type int64\[3\]; gradients "
-        r"must be floating point or complex$",
-    ):
-        clip.update({"b": torch.ones(2), "w": torch.ones(3, dtype=torch.int64)}, clip.init(None))
+    with pytest.raises(error, match=r"^fdp\.optim\.clip_by_global_norm: update got " + match):
+        clip.update(grads, clip.init(None))
 
 
 def test_per_replica_leaves_outside_the_pmapped_function_are_refused_with_a_hint() -> None:
