@@ -420,17 +420,23 @@ _PER_REPLICA_HINT = (
 )
 
 
-def _refuse_non_tensors(where: str, root: str, tree: Tree, leaves: Leaves) -> None:
+def _refuse_non_tensors(where: str, root: str, tree: Tree, leaves: Leaves, *, inexact: bool = False) -> None:
     """Raises for the first leaf of ``tree`` (written ``root``) that is not a tensor (a step
-    count kept among the parameters, a PerReplica outside the pmapped function), rather than
-    let a torch op fail on it without naming it. One isinstance per leaf; key paths are written
-    only on the way to an error."""
+    count kept among the parameters, a PerReplica outside the pmapped function), or with
+    ``inexact`` not a floating-point or complex one, rather than let a torch op fail on it
+    without naming it. One isinstance per leaf; key paths are written only on the way to an
+    error."""
     for i, x in enumerate(leaves):
         if not isinstance(x, torch.Tensor):
             path = _tree.flatten_with_paths(tree, root)[0][i]
             hint = _PER_REPLICA_HINT if isinstance(x, PerReplica) else "; keep other values out of the tree"
             raise ValueError(
                 f"{where} got {path} of type {_tree.describe(x)}; fdp.optim steps tensors only{hint}"
+            )
+        if inexact and not (x.is_floating_point() or x.is_complex()):  # as torch's norm requires
+            path = _tree.flatten_with_paths(tree, root)[0][i]
+            raise TypeError(
+                f"{where} got {path} of type {_tree.describe(x)}; gradients must be floating point or complex"
             )
 
 
@@ -750,17 +756,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return grads, state
         try:
             norms = torch._foreach_norm(g, 2.0)
-        except (TypeError, RuntimeError) as err:
+        except (TypeError, RuntimeError):
             # Named only on failure, as below: torch's error names neither the call nor the leaf.
-            where = "fdp.optim.clip_by_global_norm: update"
-            _refuse_non_tensors(where, "grads", grads, g)
-            for i, t in enumerate(g):
-                if not (t.is_floating_point() or t.is_complex()):  # torch's norm takes no others
-                    path = _tree.flatten_with_paths(grads, "grads")[0][i]
-                    raise TypeError(
-                        f"{where} got {path} of type {_tree.describe(t)}; gradients must be "
-                        "floating point or complex"
-                    ) from err
+            _refuse_non_tensors("fdp.optim.clip_by_global_norm: update", "grads", grads, g, inexact=True)
             raise
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
