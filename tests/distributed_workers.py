@@ -50,6 +50,10 @@ def collectives(rank: int, world: int, folder: str) -> None:
         x = torch.arange(8.0).reshape(8, 1) + 1  # the same global batch on every rank
         shard = fdp.distributed.shard_batch(x, local_replicas=2)
         f = lambda g: fdp.pmap(g, axis_name="i", devices=["cpu", "cpu"], split="balanced")  # noqa: E731
+        # A function of the shard and a weight w (replicated), whose gradient flows outside.
+        with_weight = lambda g: fdp.pmap(  # noqa: E731
+            g, axis_name="i", in_axes=(0, None), devices=["cpu", "cpu"], split="balanced", out_axes=None
+        )
         out = {
             "shard": shard.flatten().tolist(),
             "index_size": f(lambda x: torch.tensor([[fdp.axis_index("i"), fdp.axis_size("i")]]))(
@@ -79,14 +83,7 @@ def collectives(rank: int, world: int, folder: str) -> None:
         out["sync_batch_norm"] = f(lambda x: norm(torch.cat([x, x.square()], 1)))(shard).tolist()
         # Outer backward through a collective: the full batch's gradient.
         w = torch.tensor(2.0, requires_grad=True)
-        total = fdp.pmap(
-            lambda x, w: fdp.psum((x * w).square().sum(), "i"),
-            axis_name="i",
-            in_axes=(0, None),
-            devices=["cpu", "cpu"],
-            split="balanced",
-            out_axes=None,
-        )(shard, w)
+        total = with_weight(lambda x, w: fdp.psum((x * w).square().sum(), "i"))(shard, w)
         total.backward()
         out["outer_grad"] = float(w.grad)
         # torch.func.grad inside the replicas: psum's transpose spans the processes too.
@@ -95,14 +92,7 @@ def collectives(rank: int, world: int, folder: str) -> None:
         # The same for all_gather: outer backward, and its transpose (psum_scatter) inside.
         c = torch.arange(1.0, 5.0)
         w = torch.tensor(2.0, requires_grad=True)
-        gathered = fdp.pmap(
-            lambda x, w: fdp.all_gather((x * w).sum(), "i"),
-            axis_name="i",
-            in_axes=(0, None),
-            devices=["cpu", "cpu"],
-            split="balanced",
-            out_axes=None,
-        )(shard, w)
+        gathered = with_weight(lambda x, w: fdp.all_gather((x * w).sum(), "i"))(shard, w)
         (gathered * c).sum().backward()
         out["all_gather_outer_grad"] = float(w.grad)
         inner = f(lambda x: torch.func.grad(lambda x: (fdp.all_gather(x.sum(), "i") * c).sum())(x))(shard)
