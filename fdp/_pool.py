@@ -98,6 +98,8 @@ class _Worker(threading.Thread):
         while True:
             task = self.tasks.get()
             if task is None:
+                with _SUBMIT_LOCK:
+                    _RETIRED.discard(self)
                 return
             self.busy = True
             try:
@@ -173,6 +175,8 @@ def _resolve_math_kernels() -> None:
 
 
 _WORKERS: dict[tuple[torch.device, int], _Worker] = {}
+# Workers taken out of the pool whose replica has not returned yet: the exit waits for them too.
+_RETIRED: set[_Worker] = set()
 _SUBMIT_LOCK = threading.Lock()  # guards _WORKERS and keeps every worker's queue in one order
 
 
@@ -213,6 +217,7 @@ def _retire(workers: Sequence[_Worker]) -> None:
             key = (worker.device, worker.number)
             if _WORKERS.get(key) is worker:
                 del _WORKERS[key]
+            _RETIRED.add(worker)
             worker.tasks.put(None)
 
 
@@ -230,6 +235,7 @@ def _forget_workers_after_fork() -> None:
     # Threads do not survive fork (DataLoader workers, multiprocessing): a child starts afresh.
     global _SUBMIT_LOCK
     _WORKERS.clear()
+    _RETIRED.clear()
     _SUBMIT_LOCK = threading.Lock()
 
 
@@ -239,15 +245,18 @@ os.register_at_fork(after_in_child=_forget_workers_after_fork)
 def _stop_workers() -> None:
     """At exit: every worker leaves its loop before the interpreter shuts down.
 
-    A worker can still be waking up for a replica that the caller ran itself. A daemon thread
-    that takes the GIL during shutdown is killed on the spot, and if that happens inside C++
-    code the process aborts ("terminate called without an active exception").
+    A worker can still be waking up for a replica that the caller ran itself, and a retired
+    worker (:func:`_retire`) can still be running the replica its caller stopped waiting for.
+    A daemon thread that takes the GIL during shutdown is killed on the spot, and if that
+    happens inside C++ code the process aborts ("terminate called without an active
+    exception").
     """
     with _SUBMIT_LOCK:
         workers = list(_WORKERS.values())
         _WORKERS.clear()  # a call made after this (from a later atexit hook) starts new ones
         for worker in workers:
             worker.tasks.put(None)
+        workers += _RETIRED  # already told to leave once their replica returns
     deadline = time.monotonic() + 2.0  # a worker stuck in a replica must not block the exit
     for worker in workers:
         worker.join(max(0.0, deadline - time.monotonic()))

@@ -190,6 +190,49 @@ def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool)
     assert "next [[2.0, 2.0]] idle True" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("released", [True, False])
+def test_a_replica_given_up_on_does_not_abort_the_exit(released: bool) -> None:
+    # The caller stops waiting for replica 1 (two SIGINTs, as above), which the program then
+    # releases as it exits: its worker, retired from the pool, runs torch code while the
+    # interpreter shuts down. A daemon thread that takes the GIL then is killed inside C++ code
+    # and the process aborts ("terminate called without an active exception"), so the exit
+    # waits for it; and, for 2 s at most, for one never released.
+    script = f"RELEASED = {released}\n" + textwrap.dedent(
+        """
+        import signal, threading, time, torch, fdp
+        from fdp import _pool
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _pool.INLINE_REPLICAS = False
+        main, started, release = threading.main_thread().ident, threading.Event(), threading.Event()
+        def body(x):
+            if fdp.axis_index("i") == 1:
+                started.set()
+                release.wait()
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:
+                    torch.ones(100).add_(1)
+            return fdp.psum(x, "i")
+        def interrupt():
+            started.wait()
+            for _ in range(2):
+                time.sleep(0.5)
+                signal.pthread_kill(main, signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
+        except KeyboardInterrupt as interrupted:
+            print("gave up:", "stopped waiting for replica 1" in str(getattr(interrupted, "__notes__", [])))
+        if RELEASED:
+            release.set()
+        """
+    )
+    # (A replica blocked for good holds the exit 2 s, not until the timeout.)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "gave up: True" in result.stdout, result.stdout
+    assert "terminate" not in result.stderr, result.stderr
+
+
 def test_many_failures_in_a_row_leave_nothing_behind() -> None:
     f = fdp.pmap(injected_at("before"), axis_name="i", devices=cpus(4))
     threads = threading.active_count()
