@@ -19,6 +19,7 @@ rank's backward in the same order (as DDP's all-reduce hooks are).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import enum
@@ -190,6 +191,8 @@ class _Communicator:
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name="fdp-communicator", daemon=True)
+        # Set at exit: a collective still waited for (its caller was interrupted) stops waiting.
+        self.exiting = False
         self._thread.start()
 
     def _run(self) -> None:
@@ -222,7 +225,8 @@ class _Communicator:
                 with torch.cuda.stream(stream):
                     return unordered()
 
-        if threading.current_thread() is self._thread:
+        # (After the exit has stopped the thread, a later atexit hook's calls run in place.)
+        if threading.current_thread() is self._thread or self.exiting:
             return work()
         box: list[Any] = []
         done = threading.Event()
@@ -233,9 +237,26 @@ class _Communicator:
             raise value
         return value
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout)
+
+
+def _stop_communicator_at_exit() -> None:
+    """At exit: the communicator stops before the interpreter shuts down.
+
+    A caller interrupted in a collective (Ctrl-C) leaves the communicator waiting in it, waking
+    every ``_POLL``. A daemon thread that takes the GIL during shutdown is killed on the spot,
+    inside C++ code here, and the process aborts ("terminate called without an active
+    exception"). (NCCL's waits cannot be cut short: the exit waits 2 s at most for them.)
+    """
+    state = _STATE
+    if state is not None:
+        state.communicator.exiting = True
+        state.communicator.close(timeout=2.0)
+
+
+atexit.register(_stop_communicator_at_exit)
 
 
 def _state() -> _State:
@@ -746,6 +767,8 @@ def _wait(state: _State, work: Any, what: str, device: torch.device) -> None:
                 _raise_rank_failed(state, what, failed, error)
             if time.monotonic() > deadline:
                 raise RankFailed(_timed_out(state, what)) from error
+            if state.communicator.exiting:
+                raise RankFailed(f"fdp.distributed: {what} abandoned: the interpreter is exiting") from error
 
 
 def _succeeded(work: Any) -> bool:
@@ -1285,9 +1308,15 @@ def replica_counts(local: int) -> list[int]:
     which also checks that every process starts a pmapped call here)."""
     state = _live_state()
     state.calls += 1
-    counts, _ = _collective(
-        "the start of a pmapped call", "an exchange of replica counts", None, [], local, kind="call"
-    )
+    try:
+        counts, _ = _collective(
+            "the start of a pmapped call", "an exchange of replica counts", None, [], local, kind="call"
+        )
+    except BaseException as error:
+        # As a failure in the call's collectives is: the other ranks, waiting in this exchange
+        # (an interrupt landed here while they were late), learn of it at once.
+        record_call_failure(error)
+        raise
     return counts
 
 

@@ -264,6 +264,33 @@ def dying_rank(rank: int, world: int, folder: str) -> None:
     fdp.distributed.shutdown()
 
 
+def interrupted_in_a_collective(rank: int, world: int, folder: str) -> None:
+    """Rank 0 is interrupted (SIGINT) while it waits for rank 1 in a psum, and exits without
+    fdp.distributed.shutdown(); rank 1 comes late. Rank 0's communicator, still waiting in the
+    psum, must stop before the interpreter shuts down, not abort the process at exit."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    start(rank, world, folder, timeout=30.0)
+    f = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+    result: dict = {"first": f(torch.ones(2)).tolist()}
+    if rank == 1:
+        time.sleep(4)  # past the 2 s that rank 0's exit waits for its communicator
+        result["late"] = timed_outcome(lambda: f(torch.ones(2)))
+    else:
+        main = threading.main_thread().ident
+        threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+        try:
+            f(torch.ones(2))
+            result["interrupted"] = False
+        except KeyboardInterrupt:
+            result["interrupted"] = True
+    report(folder, rank, result)
+    if rank == 1:
+        fdp.distributed.shutdown()
+
+
 def recovered_failure(rank: int, world: int, folder: str) -> None:
     """Every rank catches a failed call and goes on; in the next call rank 1 is slower, and rank 0
     waits for it in a psum: the failure every rank left behind must not fail it."""

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import distributed_workers
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import finishes
 
 import fdp
 from fdp import _distributed
@@ -200,6 +202,30 @@ def test_a_rank_that_dies_makes_the_others_fail_at_once_naming_it(tmp_path: Path
     assert rank0["error"] == "RankFailed", rank0
     assert "lost its connection to rank 1" in rank0["message"], rank0
     assert rank0["seconds"] < 10 and rank0["cpu_seconds"] < 5, rank0
+
+
+def test_a_rank_interrupted_in_a_collective_exits_cleanly(tmp_path: Path) -> None:
+    # Its communicator, still waiting in the psum, took the GIL while the interpreter shut down
+    # and the process aborted ("terminate called without an active exception", exit code -6).
+    results, codes = spawn(distributed_workers.interrupted_in_a_collective, tmp_path)
+    assert codes == [0, 0], results
+    assert results[0] == {"first": [2.0, 2.0], "interrupted": True}, results
+    assert results[1]["late"]["error"] == "RankFailed", results
+    assert "rank 0 failed" in results[1]["late"]["message"], results
+
+
+def test_process_group_calls_after_the_exit_stopped_the_communicator_run_in_place() -> None:
+    # (From an atexit hook registered before fdp's, which runs after it.) Queued for a thread
+    # that has left, they would wait forever.
+    communicator = _distributed._Communicator()
+    assert communicator.call(threading.current_thread) is communicator._thread
+    communicator.exiting = True
+    communicator.close(timeout=2.0)
+    assert not communicator._thread.is_alive()
+    caller, ran_in = finishes(
+        lambda: (threading.current_thread(), communicator.call(threading.current_thread)), 5.0
+    )
+    assert ran_in is caller
 
 
 def test_a_failure_every_rank_recovered_from_does_not_fail_later_calls(tmp_path: Path) -> None:
