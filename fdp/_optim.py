@@ -30,10 +30,11 @@ as much as its forward pass on a small batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol
 
 import optree
 import torch
+from typing_extensions import TypeVar
 
 from . import _tree
 from ._compile import eager_under_compile
@@ -56,13 +57,17 @@ __all__ = [
 
 Tree = Any
 
+# A transformation's state type. Defaulting to Any (PEP 696), a bare ``GradientTransformation``
+# in user code stays what it was before the class was generic, under ``mypy --strict`` too.
+StateT = TypeVar("StateT", default=Any)
+
 Schedule = Callable[[int], float]
 """A learning rate that changes with the step (optax's ``Schedule``): called with the number of
 steps taken before the one it is for (0 for the first), as ``torch.optim.lr_scheduler.LambdaLR``
 gives ``lr_lambda`` the count of its ``step()`` calls."""
 
 
-class TransformUpdateFn(Protocol):
+class TransformUpdateFn(Protocol[StateT]):
     """The type of :class:`GradientTransformation`'s ``update``: ``update(grads, state,
     params=None)`` returns ``(updates, new_state)`` (optax's ``TransformUpdateFn``).
 
@@ -80,14 +85,16 @@ class TransformUpdateFn(Protocol):
         {'w': tensor([0.5000])}
     """
 
-    def __call__(self, grads: Tree, state: Any, params: Tree | None = None, /) -> tuple[Tree, Any]: ...
+    def __call__(self, grads: Tree, state: StateT, params: Tree | None = None, /) -> tuple[Tree, StateT]: ...
 
 
-class GradientTransformation(NamedTuple):
+class GradientTransformation(NamedTuple, Generic[StateT]):
     """An optimizer as a pair of pure functions (optax's interface).
 
     ``init(params)`` returns the optimizer state; ``update(grads, state, params)`` returns
-    ``(updates, new_state)``.
+    ``(updates, new_state)``. Generic in the state's type, for type checkers:
+    ``sgd(...)`` is a ``GradientTransformation[SgdState]``, so a state from another optimizer
+    is a type error before it is a ``ValueError``.
 
     Examples:
         >>> import torch
@@ -98,10 +105,10 @@ class GradientTransformation(NamedTuple):
         {'w': tensor([2.])}
     """
 
-    init: Callable[[Tree], Any]
-    update: TransformUpdateFn
+    init: Callable[[Tree], StateT]
+    update: TransformUpdateFn[StateT]
 
-    def apply_gradients(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
+    def apply_gradients(self, grads: Tree, state: StateT, params: Tree) -> tuple[Tree, StateT]:
         """One optimizer step: the new parameters and the new state (flax's
         ``TrainState.apply_gradients``, functionally).
 
@@ -160,14 +167,24 @@ def _attach(update: Callable[..., Any], apply: Callable[[Tree, Any, Tree], tuple
 _Step = Callable[[Any, Any, optree.PyTreeSpec, Any, list[Any], float | torch.Tensor], tuple[Any, Any]]
 
 
+class _Counted(Protocol):
+    """The state of an optimizer made by :func:`_optimizer`: it counts the steps taken."""
+
+    @property
+    def step(self) -> int: ...
+
+
+_CountedT = TypeVar("_CountedT", bound=_Counted)
+
+
 def _optimizer(
-    init: Callable[[Tree], Any],
+    init: Callable[[Tree], _CountedT],
     step: _Step,
     name: str,
-    state_type: type[Any],
+    state_type: type[_CountedT],
     buffers: tuple[str, ...],
     learning_rate: Callable[[int], float | torch.Tensor],
-) -> GradientTransformation:
+) -> GradientTransformation[_CountedT]:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
     one-pass ``apply_gradients``. Its state is a ``state_type``; ``buffers`` names the state's
     fields that hold trees like the gradients; ``learning_rate`` gives each step's rate from the
@@ -502,7 +519,7 @@ def sgd(
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
-) -> GradientTransformation:
+) -> GradientTransformation[SgdState]:
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
     Args:
@@ -595,7 +612,7 @@ def _adam(
     *,
     decoupled: bool,
     name: str,
-) -> GradientTransformation:
+) -> GradientTransformation[AdamState]:
     learning_rate = _learning_rate(lr, name)
     _check_non_negative(name, {"eps": eps, "weight_decay": weight_decay})
     try:
@@ -664,7 +681,7 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-) -> GradientTransformation:
+) -> GradientTransformation[AdamState]:
     """Adam, as ``torch.optim.Adam`` (``weight_decay`` is an L2 penalty on the gradient).
 
     Args:
@@ -693,7 +710,7 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
-) -> GradientTransformation:
+) -> GradientTransformation[AdamState]:
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
     Args:
@@ -716,7 +733,7 @@ def adamw(
     return _adam(lr, betas, eps, weight_decay, decoupled=True, name="adamw")
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> GradientTransformation[EmptyState]:
     """Scales the updates so that their global L2 norm is at most ``max_norm``.
 
     As ``torch.nn.utils.clip_grad_norm_`` (norm type 2): the scale is
@@ -787,7 +804,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
+def chain(*transforms: GradientTransformation[Any]) -> GradientTransformation[tuple[Any, ...]]:
     """Applies ``transforms`` in order; the state is the tuple of their states.
 
     Args:

@@ -147,6 +147,19 @@ SNIPPET = textwrap.dedent(
     clipped, _ = clip.update(grads, clip.init(None))
     opt.update(grads)  # error: call-arg
     init, update = fdp.optim.sgd(0.1, momentum=0.9)
+    # Generic in the state: another optimizer's state is caught before it runs.
+    # (mypy reveals a named tuple as its fields, the class named as the fallback.)
+    reveal_type(fdp.optim.adam().init(params))  # reveals: tuple[int, Any, Any, fallback=AdamState]
+    reveal_type(clip.init(None))  # reveals: tuple[(), fallback=EmptyState]
+    reveal_type(state)  # reveals: tuple[Any, ...]
+    sgd = fdp.optim.sgd(0.1)
+    sgd.apply_gradients(grads, fdp.optim.adam().init(params), params)  # error: arg-type
+    sgd.update(grads, fdp.optim.adam().init(params), params)  # error: arg-type
+    _, sgd_state = sgd.apply_gradients(grads, sgd.init(params), params)
+    reveal_type(sgd_state)  # reveals: tuple[int, Any, fallback=SgdState]
+
+    def make_optimizer(lr: float) -> fdp.optim.GradientTransformation:  # bare: any state
+        return fdp.optim.adam(lr) if lr else fdp.optim.sgd(lr)
     fdp.optim.adam(torch.tensor(1e-3))  # a 0-dim tensor, as torch.optim takes
     fdp.optim.sgd(lambda step: 0.1 * 0.9**step)
 
