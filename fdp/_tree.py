@@ -373,7 +373,9 @@ class LastStructure:
     matches those by their keys alone, not by their type, key order, ``default_factory`` or
     ``maxlen`` (by design, so that ``tree_map`` can mix a ``dict`` with an ``OrderedDict``:
     metaopt/optree#27), and a structure kept from an earlier call would rebuild the caller's
-    trees with that call's containers. Trees with them are flattened in full every time.
+    trees with that call's containers. Nor do structures whose nodes hold data (a dataclass's
+    non-node fields), which it matches by ``==`` (see :func:`_flattens_along`). Trees with
+    either are flattened in full every time.
 
     With ``exact=False`` a tree that repeats the last structure up to those containers' types
     and key orders is flattened along it too, for callers that rebuild nothing from the
@@ -468,14 +470,33 @@ _KEYED_CONTAINERS = (dict, collections.deque)
 
 def has_keyed_containers(tree: Any) -> bool:
     """Whether ``tree`` has dict-like containers or deques (see :class:`LastStructure`)."""
-    return not _flattens_along(optree.tree_structure(tree, is_leaf=is_leaf(), namespace=NAMESPACE))
+    spec = optree.tree_structure(tree, is_leaf=is_leaf(), namespace=NAMESPACE)
+    return any(issubclass(t, _KEYED_CONTAINERS) for t, _ in _nodes(spec))
+
+
+def _nodes(spec: optree.PyTreeSpec) -> list[tuple[type, Any]]:
+    """Every node of ``spec``: its type and its node data."""
+    nodes: list[tuple[type, Any]] = []
+    spec.walk(
+        range(spec.num_leaves), f_node=lambda node_type, data, children: nodes.append((node_type, data))
+    )
+    return nodes
 
 
 def _flattens_along(spec: optree.PyTreeSpec) -> bool:
-    """Whether ``flatten_up_to`` along ``spec`` accepts only trees of exactly this structure."""
-    node_types: list[type] = []
-    spec.walk(range(spec.num_leaves), f_node=lambda node_type, data, children: node_types.append(node_type))
-    return not any(issubclass(t, _KEYED_CONTAINERS) for t in node_types)
+    """Whether ``flatten_up_to`` along ``spec`` accepts only trees of exactly this structure.
+
+    Not where a node holds data (a dataclass's non-node fields, a custom node's metadata) other
+    than a class (a namedtuple's): ``flatten_up_to`` compares it with ``==``, which holds for
+    values that are not the same (``2 == 2.0``, ``1 == True``, equal 0-dim tensors), and the
+    tree rebuilt from the kept structure would get the earlier call's value, silently (a
+    float ``scale`` that scales an int tensor as an int).
+    """
+    return not any(
+        issubclass(t, _KEYED_CONTAINERS)
+        or not (data is None or isinstance(data, type) or (type(data) is tuple and not data))
+        for t, data in _nodes(spec)
+    )
 
 
 def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] | None:

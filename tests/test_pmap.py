@@ -1343,6 +1343,33 @@ def test_a_dataclass_with_a_tensor_in_a_non_node_field_can_be_passed_again_and_a
         assert out.tag is tag
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dataclass_non_node_field_is_each_calls_own_even_when_equal_to_the_last(n: int) -> None:
+    # optree's flatten_up_to compares node data with ==: a structure kept from the last call,
+    # whose field held 2 (or 1, or an equal 0-dim tensor), matches a tree whose field holds
+    # 2.0 (True, another tensor). Rebuilt from the kept structure, the replicas (and the
+    # caller, for outputs) got the last call's value: int math where the caller passed a float.
+    @dataclasses.dataclass
+    class Scaled:
+        x: torch.Tensor
+        scale: Any = dataclasses.field(metadata={"pytree_node": False})
+
+    seen: list[Any] = []
+
+    def f(b: Scaled) -> Scaled:
+        seen.append(b.scale)
+        return Scaled(b.x * b.scale, b.scale)
+
+    mapped = fdp.pmap(f, devices=cpus(n))
+    x = torch.arange(4)
+    for scale in (2, 2.0, True, 1, torch.tensor(1.0), torch.tensor(1)):
+        seen.clear()
+        out = mapped(Scaled(x, scale))
+        assert all(s is scale for s in seen), (scale, seen)
+        assert out.scale is scale, (scale, out.scale)
+        assert out.x.dtype == (x * scale).dtype, (scale, out.x.dtype)
+
+
 @pytest.mark.parametrize(
     ("first", "second", "match"),
     [
