@@ -439,8 +439,13 @@ class SpecCache(dict[optree.PyTreeSpec, _V]):
 
     A structure holding node data that cannot be compared with ``==`` (a tensor in a
     dataclass's non-node field) is never found nor kept: comparing it with another structure of
-    equal hash would raise.
+    equal hash would raise, and a tensor hashes by identity, so each call's would be kept (and
+    kept alive) anew. At most :attr:`MAX_ENTRIES` structures are kept, the oldest dropped first:
+    a program whose structures never repeat (a dict keyed by sample ids, a step number in a
+    dataclass's non-node field) would otherwise add one per call, for as long as it runs.
     """
+
+    MAX_ENTRIES = 256  # far more than the structures of a program's calls (train, eval, the last batch)
 
     def get(self, spec: optree.PyTreeSpec, default: Any = None) -> Any:  # type: ignore[override]
         try:
@@ -449,8 +454,31 @@ class SpecCache(dict[optree.PyTreeSpec, _V]):
             return default
 
     def __setitem__(self, spec: optree.PyTreeSpec, value: _V) -> None:
+        # (A new structure: the walk below costs far less than the plan made for it.)
+        if _holds_tensors(spec):
+            return
         with contextlib.suppress(*_UNCOMPARABLE):
+            if len(self) >= self.MAX_ENTRIES:
+                self.pop(next(iter(self)), None)
             super().__setitem__(spec, value)
+
+
+def _holds_tensors(spec: optree.PyTreeSpec) -> bool:
+    """Whether a node of ``spec`` holds a tensor in its data (a dataclass's non-node field);
+    True where its data cannot be looked into (a user's node type that fails to flatten): such
+    a structure is not kept either."""
+    try:
+        return any(
+            isinstance(leaf, torch.Tensor)
+            for node_type, data in _nodes(spec)
+            # (A dict's data is its keys, a deque's its maxlen: looked past, they are most of it.)
+            if data is not None
+            and not isinstance(data, type)
+            and not issubclass(node_type, _KEYED_CONTAINERS)
+            for leaf in optree.tree_leaves(data, none_is_leaf=True)
+        )
+    except Exception:  # noqa: BLE001 - whatever a user's flatten function raises
+        return True
 
 
 def same_structure(a: optree.PyTreeSpec, b: optree.PyTreeSpec) -> bool:

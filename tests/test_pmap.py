@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import re
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import optree
@@ -1336,11 +1338,32 @@ def test_a_dataclass_with_a_tensor_in_a_non_node_field_can_be_passed_again_and_a
         tag: torch.Tensor = dataclasses.field(metadata={"pytree_node": False})
 
     double = fdp.pmap(lambda t: Tagged(t.x * 2, t.tag), devices=cpus(n))
+    earlier = []
     for _ in range(3):
         tag = torch.tensor([1.0, 2.0])
         out = double(Tagged(torch.arange(4.0), tag))
         torch.testing.assert_close(out.x, torch.arange(4.0) * 2)
         assert out.tag is tag
+        earlier.append(weakref.ref(tag))
+    # Nor kept by the caches of plans (a tensor hashes by identity: one entry per call, each
+    # holding its tag alive for good); only the last call's structure may hold its own.
+    del tag, out
+    gc.collect()
+    assert [ref() is None for ref in earlier[:-1]] == [True, True]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_plans_of_structures_that_never_repeat_are_not_kept_without_end(n: int) -> None:
+    # A dict keyed by sample ids, or a step number in a dataclass's non-node field: a new
+    # structure on every call, whose plans (in and out) were kept for as long as the program ran.
+    f = fdp.pmap(lambda batch: batch, devices=cpus(n))
+    x = torch.arange(4.0)
+    for step in range(300):
+        out = f({f"sample{step}": x})
+        torch.testing.assert_close(out[f"sample{step}"], x)
+    assert len(f._plans) <= 256 and len(f._out_plans) <= 256, (len(f._plans), len(f._out_plans))
+    out = f({"sample0": x})  # the oldest, dropped: planned again
+    torch.testing.assert_close(out["sample0"], x)
 
 
 @pytest.mark.parametrize("n", [1, 2])
