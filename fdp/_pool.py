@@ -671,7 +671,18 @@ def run_replicas(
         ):
             # Only aborted replicas: the failure that aborted them (a failed hand-over) is the news.
             errors[group.failed_index or 0] = group.failed
-        raise _reported_failure(errors, devices, caller, group)
+        failure = _reported_failure(errors, devices, caller, group)
+        # Every replica has returned: the call's own references to its failures go. Its
+        # traceback holds this frame and each replica's task, whose lists and call group held
+        # it: a cycle that only the garbage collector frees, and with it the frames' tensors
+        # (the replicas' activations), long after the caller lets the error go (a retry after
+        # running out of memory finds the memory still taken).
+        errors[:] = [None] * n
+        group.forget_failure()
+        try:
+            raise failure
+        finally:
+            del failure
     return results
 
 
@@ -713,6 +724,7 @@ def _run_in_caller(
             errors: list[BaseException | None] = [None] * n
             errors[i] = error
             _reported_failure(errors, devices, caller, _NO_COLLECTIVES)  # notes on the error
+            errors[i] = None  # (this frame is in its traceback: see run_replicas)
             raise
         finally:
             _replica.swap_current(previous)
@@ -808,6 +820,8 @@ class LoneReplica:
             if group is not None:
                 group.abort(0, error)
             _reported_failure([error], (self.device,), self.caller, context.group)  # notes on the error
+            if group is not None:
+                group.forget_failure()  # (this frame is in its traceback: see run_replicas)
             raise
         finally:
             _replica.swap_current(previous)

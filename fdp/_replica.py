@@ -117,6 +117,14 @@ class CallGroup:
                 self.failed_index = index
             self._notify()
 
+    def forget_failure(self) -> None:
+        """Drops the failure and the exchanges left unfinished, once every replica has returned
+        from a call that failed: the failure's traceback holds the frames that hold this group
+        (see ``_pool.run_replicas``)."""
+        with self.lock:
+            self.failed = None
+            self._rounds.clear()
+
     def finish(self, index: int) -> None:
         """Replica ``index`` has returned (or raised)."""
         with self.lock:
@@ -179,20 +187,32 @@ class CallGroup:
             if not last:
                 self._wait(round_, index)
         if last and round_.error is None:
+            # A failure of combine is kept in the round alone, in no local variable: its
+            # traceback holds this frame (see below).
             try:
                 result: Any = combine(round_.payloads)
-                error = None
             except Exception as err:  # noqa: BLE001 - reported to every replica
-                result, error = _PENDING, (type(err), error_text(err), err)
-            with self.lock:
-                round_.result, round_.error = result, error
-                self._notify()
+                with self.lock:
+                    round_.error = (type(err), error_text(err), err)
+                    self._notify()
+            else:
+                with self.lock:
+                    round_.result = result
+                    self._notify()
         with self.lock:
             round_.taken += 1
+            failed = round_.error
             if round_.taken == self.size:
                 del self._rounds[number]
-        if round_.error is not None:
-            raise _fresh(*round_.error)
+                # Every replica has read it. The original failure's traceback holds the frame
+                # of the replica that combined, whose round held it: a cycle that only the
+                # garbage collector frees, and with it every replica's payload.
+                round_.error = round_.payloads = None  # type: ignore[assignment]
+        if failed is not None:
+            try:
+                raise _fresh(*failed)
+            finally:
+                failed = None  # (likewise: this frame is in the traceback of what it raises)
         if turnstile is not None:
             turnstile.enter(index, self)
         return round_.result[index], number

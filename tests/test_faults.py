@@ -3,11 +3,13 @@ thread blocked, and the next call works."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -241,3 +243,41 @@ def test_many_failures_in_a_row_leave_nothing_behind() -> None:
             f(torch.ones(4))
     assert threading.active_count() == threads
     assert_workers_idle()
+
+
+@pytest.mark.parametrize(
+    ("n", "axis_name", "where"),
+    [(1, "i", "replica"), (2, None, "replica"), (2, "i", "replica"), (3, "i", "replica")]
+    + [(2, "i", "combine"), (3, "i", "combine")],
+)
+def test_a_failed_calls_tensors_go_with_its_error(n: int, axis_name: str | None, where: str) -> None:
+    # The failure's traceback holds the call's frames; those held it back (lists of errors, the
+    # call group, a collective's round): a cycle that kept every replica's tensors until the
+    # garbage collector ran, long after the caller let the error go. A retry after running out
+    # of memory would find the memory still taken.
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        made.append(weakref.ref(h))
+        if where == "combine":  # shapes that differ between the replicas: psum's combine fails
+            return fdp.psum(h[: fdp.axis_index("i") + 1], "i")
+        if h.shape[0] == 1:  # the last replica (with axis None, run in the caller's thread too)
+            raise Injected("boom")
+        return h
+
+    f = fdp.pmap(body, axis_name=axis_name, devices=cpus(n))
+    batch = 2 * n if where == "combine" else 2 * n - 1  # 2 rows a replica (the last 1, to fail)
+    for _ in range(3):  # the first calls time the replicas (the next may run them inline)
+        with pytest.raises((Injected, ValueError)):
+            f(torch.randn(batch, 3))
+    gc.collect()
+    made.clear()
+    gc.disable()
+    try:
+        with pytest.raises((Injected, ValueError)):
+            f(torch.randn(batch, 3))
+        assert_workers_idle()
+        assert made and [ref() for ref in made] == [None] * len(made)
+    finally:
+        gc.enable()
