@@ -80,6 +80,7 @@ class _Skeleton:
             self._pairs.append((ref, copy))
             self._copies[id(original)] = (ref, copy)
         self.root = self._copies[id(root)][1]
+        self.original = self._pairs[0][0]  # the module it copies (named_modules gives it first)
         # Each copy's name in the tree (as named_modules gives it), for messages.
         self.names = [name for name, _ in root.named_modules()]
         self._copy_list = [copy for _, copy in self._pairs]
@@ -513,6 +514,9 @@ def compiled_module_type() -> type | tuple[()]:
     return () if eval_frame is None else eval_frame.OptimizedModule
 
 
+# Free skeletons by module. A weak dictionary finds its keys by == and hash: a module class that
+# defines both by value (a dataclass with unsafe_hash=True) puts equal modules under one key, so
+# each skeleton there is taken only for the module it was built from (see _checkout).
 _FREE: weakref.WeakKeyDictionary[nn.Module, list[_Skeleton]] = weakref.WeakKeyDictionary()
 _FREE_LOCK = threading.Lock()
 
@@ -520,7 +524,13 @@ _FREE_LOCK = threading.Lock()
 def _checkout(module: nn.Module) -> _Skeleton:
     with _FREE_LOCK:
         free = _FREE.get(module)
-        skeleton = free.pop() if free else None
+        skeleton = None
+        if free:
+            if free[-1].original() is module:  # (the usual case: one module under its key)
+                skeleton = free.pop()
+            else:  # another module equal to it: refreshed from that one, it would run as that one
+                mine = [k for k, s in enumerate(free) if s.original() is module]
+                skeleton = free.pop(mine[-1]) if mine else None
     if skeleton is None or not skeleton.refresh():
         skeleton = _Skeleton(module)
         skeleton.refresh()
@@ -555,7 +565,12 @@ def _release(
     if captured:
         return
     with _FREE_LOCK:
-        _FREE.setdefault(module, []).append(skeleton)
+        free = _FREE.setdefault(module, [])
+        if free and free[-1].original() is not module:
+            # Modules equal to it share its key (see _FREE): those collected since leave their
+            # skeletons here, for as long as the module of the key lives, unless dropped.
+            free[:] = [s for s in free if s.original() is not None]
+        free.append(skeleton)
 
 
 class _Released(dict):  # type: ignore[type-arg]

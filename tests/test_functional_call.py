@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import enum
 import functools
 import gc
@@ -13,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import assert_trees_close
+from helpers import assert_trees_close, cpus
 from torch import nn
 
 import fdp
@@ -598,6 +599,45 @@ def test_skeletons_hold_no_tensor_memory_and_are_cached() -> None:
     finally:
         _functional_call._release(net, skeleton)
     assert all(vars(copy) == {} for _, copy in skeleton._pairs)  # idle: holds nothing
+
+
+@dataclasses.dataclass(eq=True, unsafe_hash=True)
+class _Scaled(nn.Module):
+    """A module that == and hash compare by its fields, as a dataclass with unsafe_hash does:
+    two of the same factor are equal, whatever their weights."""
+
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.factor
+
+
+def test_modules_equal_by_value_each_run_as_themselves() -> None:
+    # Skeletons are kept by module in a weak dictionary, which finds keys by == and hash: a
+    # module equal to another got that one's skeleton, refreshed from that one, and ran with
+    # its weights and attributes, silently.
+    first, second = _Scaled(2.0), _Scaled(2.0)
+    assert first == second and hash(first) == hash(second)
+    x = torch.randn(4, 2)
+    for _ in range(2):
+        for module in (first, second, first):
+            torch.testing.assert_close(fdp.functional_call(module, {}, (x,)), module(x))
+            params = {"linear.weight": torch.randn(2, 2)}
+            torch.testing.assert_close(
+                fdp.functional_call(module, params, (x,)), x @ params["linear.weight"].T * 2.0
+            )
+        for module in (first, second):  # a pmapped module's replicas call it functionally too
+            torch.testing.assert_close(fdp.pmap(module, devices=cpus(2))({}, x), module(x))
+    # Equal modules collected leave no skeletons behind under the key of the first.
+    for _ in range(5):
+        fdp.functional_call(_Scaled(2.0), {}, (x,))
+    gc.collect()
+    fdp.functional_call(first, {}, (x,))
+    assert all(s.original() is not None for s in _functional_call._FREE[first])
 
 
 def test_skeletons_die_with_the_module() -> None:
