@@ -178,6 +178,8 @@ class _State:
     # The pmapped calls that spanned the processes so far, the current one included: the same
     # on every rank, as their calls are (SPMD). Failure records name the call they belong to.
     calls: int = 0
+    # Set in a process forked from this rank (see _mark_forked_child): not a member of the group.
+    forked: bool = False
 
 
 _STATE: _State | None = None
@@ -259,6 +261,22 @@ def _stop_communicator_at_exit() -> None:
 atexit.register(_stop_communicator_at_exit)
 
 
+def _mark_forked_child() -> None:
+    """In a child forked from an initialized rank (``os.fork``, a DataLoader or multiprocessing
+    worker started with "fork"): the child is no member of the group.
+
+    Fork copies only the forking thread: the communicator and the process group's threads are
+    gone in the child. Its pmapped calls with an axis name would queue for the communicator and
+    wait forever, and what it recorded in the store (an uncaught exception, a shutdown) would
+    speak for its parent's rank, failing the other ranks' calls.
+    """
+    if _STATE is not None:
+        _STATE.forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+
 def _state() -> _State:
     if _STATE is None:
         raise RuntimeError("fdp.distributed is not initialized: call fdp.distributed.initialize() first")
@@ -267,13 +285,22 @@ def _state() -> _State:
 
 def _group_alive(state: _State) -> bool:
     """Whether the process group that :func:`initialize` joined is still the default one."""
-    return state.group is not None and dist.group.WORLD is state.group
+    return not state.forked and state.group is not None and dist.group.WORLD is state.group
 
 
 def _live_state() -> _State:
     """The state, for work that talks to the other processes: refused, with a message saying
     why, once the process group was destroyed behind fdp's back."""
     state = _state()
+    if state.forked:
+        raise RuntimeError(
+            f"fdp.distributed: this process was forked from rank {state.rank} after "
+            "fdp.distributed.initialize() (os.fork, or a DataLoader or multiprocessing worker "
+            "started with 'fork'): it is not a member of the process group, whose threads fork "
+            "does not copy, so pmapped calls with an axis name cannot span the processes here. "
+            "Make them in the ranks themselves; to run them on this process's replicas alone, "
+            "call fdp.distributed.shutdown() in it first (which leaves the parent's group alone)."
+        )
     if not _group_alive(state):
         raise RuntimeError(
             "fdp.distributed: the process group that fdp.distributed.initialize() joined no longer "
@@ -567,6 +594,12 @@ def shutdown() -> None:
     state = _STATE
     if state is None:
         return
+    if state.forked:
+        # A forked child (see _mark_forked_child) forgets its parent's group: nothing of it is
+        # the child's to end (destroying gloo's group there hangs or aborts the child) or to
+        # write to the store about.
+        _STATE = None
+        return
     # Called in a ``finally:`` block while an exception propagates, shutdown runs before
     # sys.excepthook, which would find fdp shut down and tell no one: the other ranks would
     # see only a lost connection. Record the exception here; a clean exit leaves a note instead,
@@ -650,6 +683,8 @@ def _left_key(state: _State, rank: int) -> str:
 
 
 def _record(state: _State, error: BaseException, call: int) -> None:
+    if state.forked:
+        return  # a forked child's failure is not its parent's rank's (see _mark_forked_child)
     message = "".join(traceback.format_exception_only(type(error), error)).strip()
     with contextlib.suppress(Exception):  # the store may be gone already: nothing more to tell
         state.store.set(_failure_key(state, state.rank), f"{call}\n{message}")

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -226,6 +227,59 @@ def test_process_group_calls_after_the_exit_stopped_the_communicator_run_in_plac
         lambda: (threading.current_thread(), communicator.call(threading.current_thread)), 5.0
     )
     assert ran_in is caller
+
+
+def test_a_process_forked_from_a_rank_is_not_in_its_group(tmp_path: Path) -> None:
+    # A child forked after initialize() (os.fork; a DataLoader or multiprocessing worker started
+    # with "fork") has none of the threads of the communicator or of gloo. Its pmapped calls with
+    # an axis name queued for the communicator and waited forever; an uncaught exception there
+    # (sys.excepthook) or its shutdown() wrote to the store as its parent's rank, failing the other
+    # ranks' calls naming that rank; and shutdown() hung in destroying the group.
+    script = textwrap.dedent(
+        """
+        import json, os, sys, time, torch, fdp
+        import torch.distributed as dist
+        store = dist.FileStore(sys.argv[1], 1)
+        fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=store)
+        psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu", "cpu"])
+        assert psum(torch.ones(2)).tolist() == [2.0, 2.0]
+        pid = os.fork()
+        if pid == 0:
+            result = {"initialized": fdp.distributed.is_initialized(), "rank": fdp.distributed.rank()}
+            try:
+                psum(torch.ones(2))
+            except RuntimeError as error:
+                result["call"] = str(error)
+            try:
+                raise ValueError("the child's own failure")
+            except ValueError as error:
+                sys.excepthook(type(error), error, error.__traceback__)  # as if uncaught
+            fdp.distributed.shutdown()
+            result["after_shutdown"] = psum(torch.ones(2)).tolist()  # this process's replicas alone
+            with open(sys.argv[2], "w") as file:
+                json.dump(result, file)
+            os._exit(0)  # (torch aborts a forked child that destroys gloo's group at exit)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                sys.exit("the child hung")
+            time.sleep(0.05)
+        print("recorded", store.check(["fdp/failure/0/0"]), store.check(["fdp/left/0/0"]))
+        print("parent", fdp.distributed.is_initialized(), psum(torch.ones(2)).tolist())
+        fdp.distributed.shutdown()
+        """
+    )
+    report = tmp_path / "child.json"
+    command = [sys.executable, "-c", script, str(tmp_path / "store"), str(report)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    child = json.loads(report.read_text())
+    assert child["initialized"] is False and child["rank"] == 0, child
+    assert "this process was forked from rank 0 after fdp.distributed.initialize()" in child["call"], child
+    assert child["after_shutdown"] == [2.0, 2.0], child
+    assert "recorded False False" in result.stdout, result.stdout
+    assert "parent True [2.0, 2.0]" in result.stdout, result.stdout
 
 
 def test_a_failure_every_rank_recovered_from_does_not_fail_later_calls(tmp_path: Path) -> None:
