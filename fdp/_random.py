@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import os
 import threading
 import zlib
 from collections.abc import Hashable, Iterator
@@ -175,6 +176,7 @@ class _RngMode(TorchDispatchMode):
         super().__init__()
         self.seed = seed
         self.calls = calls  # pmapped calls made in this scope so far (see call_seed)
+        self.forked = False  # inherited by a forked child: draws nothing (see _off_after_fork)
         self.generators: dict[torch.device, torch.Generator] = {}
         for device, state in (states or {}).items():
             self.generators[device] = torch.Generator(device)
@@ -197,6 +199,8 @@ class _RngMode(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if self.forked:
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         packet = func.overloadpacket
         if packet is _aten.native_dropout:
@@ -249,6 +253,23 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 
 
+def _off_after_fork() -> None:
+    """In a forked child, the scopes the forking thread was in stop drawing.
+
+    Every child forked in a scope (DataLoader workers started with "fork", one per worker and
+    epoch) holds a copy of its generators, in the same state: each would draw the same numbers,
+    the same augmentations in every worker, silently. DataLoader reseeds torch's global
+    generator in each worker, differently, for that reason: the child's random ops (and its
+    pmapped calls' replicas) draw from it, as outside any scope. (The scopes stay entered, for
+    the forking code's ``with`` blocks to leave.)
+    """
+    for mode in _ACTIVE.modes:
+        mode.forked = True
+
+
+os.register_at_fork(after_in_child=_off_after_fork)
+
+
 def call_seed() -> int | None:
     """The seed of a pmapped call made now, or None outside any :func:`rng_scope`.
 
@@ -256,7 +277,7 @@ def call_seed() -> int | None:
     the scope ``fold_in(fold_in(s, k), r)``: :func:`replica_scope`). The scope's own generators
     are left where they are: a call in the scope changes none of the block's other draws.
     """
-    if not _ACTIVE.modes:
+    if not _ACTIVE.modes or _ACTIVE.modes[-1].forked:
         return None
     mode = _ACTIVE.modes[-1]
     k, mode.calls = mode.calls, mode.calls + 1
@@ -285,6 +306,9 @@ def rng_scope(seed: int) -> contextlib.AbstractContextManager[None]:
     :func:`replica_seed` so that every replica draws differently and reproducibly. The ``k``-th
     pmapped call made inside a scope (counting from 0) gives replica ``r`` the scope
     ``fold_in(fold_in(seed, k), r)``: successive calls draw anew, as successive draws do.
+    A process forked inside the scope (a DataLoader worker started with "fork") draws from
+    torch's global generator, which DataLoader seeds differently in each worker (from the
+    scope, so reproducibly): copies of the scope's generators would draw alike in every worker.
 
     Args:
         seed: the seed of the block's generators (one per device, derived from it).

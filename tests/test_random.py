@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -312,3 +314,38 @@ def test_replica_seeds_differ_and_repeat() -> None:
     first, second = f(torch.zeros(4)), f(torch.zeros(4))
     assert torch.equal(first, second) and len(set(first.tolist())) == 4
     assert first.tolist() == [fdp.fold_in(9, r) for r in range(4)]
+
+
+def test_dataloader_workers_forked_in_a_scope_draw_differently() -> None:
+    # Each worker forked in a scope held a copy of its generators in one state: the workers drew
+    # the same numbers (the same augmentations, item 0 and item 1 alike), and again in every
+    # epoch, silently, where DataLoader seeds each worker's global generator differently. So did
+    # pmapped calls in a worker, whose replicas got their seeds from the copied scope. (The
+    # workers' seeds come from the scope: a run is reproducible for a given seed.)
+    script = textwrap.dedent(
+        """
+        import torch, fdp
+        from torch.utils.data import DataLoader, Dataset
+        pmapped = fdp.pmap(lambda x: x + torch.rand(1), devices=["cpu", "cpu"])
+        class Random(Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return [torch.rand(1).item(), pmapped(torch.zeros(2)).tolist()]
+        for run in range(2):
+            with fdp.rng_scope(0):
+                for epoch in range(2):
+                    loader = DataLoader(Random(), None, num_workers=2, multiprocessing_context="fork")
+                    print([item for item in loader])
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    epochs = [ast.literal_eval(line) for line in result.stdout.splitlines()]
+    assert len(epochs) == 4, result.stdout
+    # Items 0 and 2 come from worker 0, 1 and 3 from worker 1: every draw differs from the others.
+    flat = [value for epoch in epochs[:2] for item in epoch for value in (item[0], *item[1])]
+    assert len(set(flat)) == len(flat) == 24, epochs
+    assert [[item[0] for item in epoch] for epoch in epochs[:2]] == [
+        [item[0] for item in epoch] for epoch in epochs[2:]
+    ]
