@@ -237,6 +237,10 @@ def _forget_workers_after_fork() -> None:
     _WORKERS.clear()
     _RETIRED.clear()
     _SUBMIT_LOCK = threading.Lock()
+    # A child forked by a replica (a DataLoader iterated in the mapped function) runs no
+    # replica: none of the call's others is in it. Its own pmapped calls were refused as nested,
+    # and a collective there would wait for replicas that are not in the process.
+    _replica.swap_current(None)
 
 
 os.register_at_fork(after_in_child=_forget_workers_after_fork)

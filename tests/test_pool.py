@@ -427,6 +427,44 @@ def test_workers_are_stopped_at_exit_and_restart_if_needed() -> None:
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
 
 
+def test_processes_forked_after_calls_make_calls_of_their_own() -> None:
+    # DataLoader workers (forked) whose dataset calls a pmapped function: the workers of the
+    # parent's pool are not in the child, which starts its own. A worker forked by a replica (a
+    # DataLoader iterated in the mapped function) runs no replica of the parent's call: its
+    # calls were refused as nested, and a collective there would have waited forever for
+    # replicas that are not in the process.
+    script = textwrap.dedent(
+        """
+        import torch, fdp
+        from torch.utils.data import DataLoader, Dataset
+        from fdp import _pool
+        _pool.INLINE_REPLICAS = False
+        total = fdp.pmap(lambda x: fdp.psum(x, "j"), axis_name="j", devices=["cpu", "cpu"])
+        class Sums(Dataset):
+            def __len__(self):
+                return 2
+            def __getitem__(self, i):
+                return total(torch.full((2,), float(i))).tolist()
+        def load():
+            loader = DataLoader(Sums(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+            return [item for item in loader]
+        print("caller", load())
+        def body(x):
+            if fdp.axis_index("i") == 1:
+                print("replica", load())
+            return fdp.psum(x, "i")
+        print("call", fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2)).tolist())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "caller [[0.0, 0.0], [2.0, 2.0]]",
+        "replica [[0.0, 0.0], [2.0, 2.0]]",
+        "call [2.0, 2.0]",
+    ], result.stdout + result.stderr
+
+
 def test_failed_hand_over_at_a_collective_fails_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
     retried: list[str] = []
