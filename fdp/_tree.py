@@ -338,11 +338,26 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
     )
 
 
+# Containers that optree always flattens. One found as a leaf means that optree's registry is
+# gone: optree empties it at exit, in the atexit hook it registers when imported (with fdp,
+# unless imported before), so a hook registered before `import fdp` runs after it. Every tree
+# would then be one leaf, and calls would fail with errors about arguments that are fine.
+_BUILTIN_NODES = frozenset({tuple, list, dict})
+_REGISTRY_GONE = (
+    "fdp was called after optree cleared its registry of container types at interpreter exit "
+    "(tuples, lists and dicts would be single leaves): from an atexit hook registered before "
+    "fdp (and optree) were imported, which runs after optree's own. Register the hook after "
+    "`import fdp`, or import optree before registering it."
+)
+
+
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` in the fdp namespace, registering plain dataclasses on first sight."""
     leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf(), namespace=NAMESPACE)
     if _LEAF_TYPES.issuperset(map(type, leaves)):
         return leaves, spec  # the usual case: tensors and plain values, nothing to register
+    if not _BUILTIN_NODES.isdisjoint(map(type, leaves)):
+        raise RuntimeError(_REGISTRY_GONE)
     # A newly registered dataclass may hold further dataclasses: flatten until none is left.
     while _register_new_node_types(leaves):
         leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf(), namespace=NAMESPACE)

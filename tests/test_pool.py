@@ -465,6 +465,38 @@ def test_processes_forked_after_calls_make_calls_of_their_own() -> None:
     ], result.stdout + result.stderr
 
 
+def test_a_call_after_optree_cleared_its_registry_at_exit_says_so() -> None:
+    # optree empties its registry in an atexit hook of its own, registered when fdp imports it:
+    # a hook registered before `import fdp` runs after it, and every tree is then one leaf. The
+    # call failed with "found no tensor to map: every tensor argument has axis None", about
+    # arguments that were fine. (A hook registered after optree's import runs before its clear.)
+    script = textwrap.dedent(
+        """
+        import atexit, torch
+        def late():
+            import fdp
+            try:
+                fdp.pmap(lambda x: x + 1, devices=["cpu"] * 2)(torch.zeros(2))
+                print("ran")
+            except RuntimeError as error:
+                print(error)
+        atexit.register(late)
+        import fdp
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "fdp was called after optree cleared its registry of container types at interpreter exit "
+        "(tuples, lists and dicts would be single leaves): from an atexit hook registered before "
+        "fdp (and optree) were imported, which runs after optree's own. Register the hook after "
+        "`import fdp`, or import optree before registering it."
+    ], result.stdout + result.stderr
+    early = script.replace("import atexit, torch", "import atexit, optree, torch")
+    result = subprocess.run([sys.executable, "-c", early], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.splitlines() == ["ran"], result.stdout + result.stderr
+
+
 def test_failed_hand_over_at_a_collective_fails_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
     retried: list[str] = []
