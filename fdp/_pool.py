@@ -634,8 +634,8 @@ def run_replicas(
         # An interrupt that landed in a replica the caller ran (replica 0 waiting in a
         # collective, say) was the first: the next one ends the wait.
         wait_for_workers(
-            interrupted=isinstance(errors[0], KeyboardInterrupt)
-            or any(isinstance(errors[i], KeyboardInterrupt) for i in stolen)
+            interrupted=isinstance(errors[0], _INTERRUPTS)
+            or any(isinstance(errors[i], _INTERRUPTS) for i in stolen)
         )
     except BaseException as interrupt:  # KeyboardInterrupt while waiting
         if gave_up:
@@ -688,6 +688,11 @@ def run_replicas(
         finally:
             del failure
     return results
+
+
+# What a signal raises in the caller's thread: Ctrl-C's KeyboardInterrupt, or the SystemExit of
+# a SIGTERM handler that calls sys.exit (torchrun stops its workers with SIGTERM).
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 def _is_small(timing: Timing | None, n: int) -> bool:

@@ -146,18 +146,22 @@ def test_real_interrupt_during_a_long_call_in_a_child_process() -> None:
     assert "next [2.0, 2.0] idle True" in result.stdout
 
 
-@pytest.mark.parametrize("collective", [True, False])
-def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool) -> None:
+@pytest.mark.parametrize(
+    ("collective", "signal_name"), [(True, "SIGINT"), (False, "SIGINT"), (True, "SIGTERM")]
+)
+def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool, signal_name: str) -> None:
     # Replica 1 blocks in user code (a deadlock of its own). The first SIGINT lands in replica 0,
     # waiting for it in the psum, or in the caller, waiting for it to return; either way the
     # caller then waits for it, and the second SIGINT makes it stop waiting (in the psum case it
     # took a third). The next call with a collective must not queue behind the blocked replica
-    # on its worker: it used to wait forever, silently.
-    script = f"COLLECTIVE = {collective}\n" + textwrap.dedent(
+    # on its worker: it used to wait forever, silently. A SIGTERM handler that calls sys.exit
+    # (torchrun stops workers with SIGTERM) interrupts alike: it took a third signal.
+    script = f"COLLECTIVE = {collective}\nSIGNAL = '{signal_name}'\n" + textwrap.dedent(
         """
-        import signal, threading, time, torch, fdp
+        import signal, sys, threading, time, torch, fdp
         from fdp import _pool
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         _pool.INLINE_REPLICAS = False
         main, started, release = threading.main_thread().ident, threading.Event(), threading.Event()
         def body(x):
@@ -169,11 +173,11 @@ def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool)
             started.wait()
             for _ in range(2):
                 time.sleep(0.5)
-                signal.pthread_kill(main, signal.SIGINT)
+                signal.pthread_kill(main, getattr(signal, SIGNAL))
         threading.Thread(target=interrupt, daemon=True).start()
         try:
             fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
-        except KeyboardInterrupt as interrupted:
+        except (KeyboardInterrupt, SystemExit) as interrupted:
             print("notes:", getattr(interrupted, "__notes__", []))
         g = fdp.pmap(lambda x: fdp.psum(x, "j"), axis_name="j", devices=["cpu", "cpu"])
         out = []
