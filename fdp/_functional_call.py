@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+import os
 import sys
 import threading
 import types
@@ -519,6 +520,16 @@ def compiled_module_type() -> type | tuple[()]:
 # each skeleton there is taken only for the module it was built from (see _checkout).
 _FREE: weakref.WeakKeyDictionary[nn.Module, list[_Skeleton]] = weakref.WeakKeyDictionary()
 _FREE_LOCK = threading.Lock()
+
+
+def _fresh_lock_after_fork() -> None:
+    # Fork copies only the forking thread: a lock another thread held then (a replica checking
+    # out a skeleton) stays held in the child for good, and its first call would wait forever.
+    global _FREE_LOCK
+    _FREE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 
 
 def _checkout(module: nn.Module) -> _Skeleton:

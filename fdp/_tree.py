@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -72,6 +73,16 @@ _seen_generation: tuple[int, Any] | None = None
 # stay leaves, and splitting one that holds tensors is an error (see unsplittable_reason).
 OPAQUE_DATACLASSES: dict[type, str] = {}
 _REGISTRY_LOCK = threading.Lock()
+
+
+def _fresh_registry_lock_after_fork() -> None:
+    # Fork copies only the forking thread: a lock another thread held then stays held in the
+    # child for good, and its first new dataclass would wait for it forever.
+    global _REGISTRY_LOCK
+    _REGISTRY_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_registry_lock_after_fork)
 
 
 def _register_dataclass(cls: type) -> None:

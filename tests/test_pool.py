@@ -465,6 +465,48 @@ def test_processes_forked_after_calls_make_calls_of_their_own() -> None:
     ], result.stdout + result.stderr
 
 
+def test_a_process_forked_while_another_thread_holds_fdps_locks_can_call() -> None:
+    # Fork copies only the forking thread: a module-level lock another thread held then (a
+    # replica checking out a skeleton, a new dataclass being registered) stayed held in the
+    # child for good, and the child's first such call waited forever.
+    script = textwrap.dedent(
+        """
+        import dataclasses, os, threading, time, torch, fdp
+        from fdp import _functional_call, _tree
+        held, release = threading.Event(), threading.Event()
+        def hold():
+            with _functional_call._FREE_LOCK, _tree._REGISTRY_LOCK:
+                held.set()
+                release.wait()
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            @dataclasses.dataclass
+            class Batch:
+                x: torch.Tensor
+            doubled = fdp.pmap(lambda b: b.x * 2, devices=["cpu", "cpu"])(Batch(torch.ones(2, 1)))
+            m = torch.nn.Linear(1, 1)
+            fdp.functional_call(m, dict(m.named_parameters()), (torch.ones(1, 1),))
+            os._exit(0 if doubled.tolist() == [[2.0], [2.0]] else 1)
+        release.set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            print("child hung")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "child 0\n", result.stdout + result.stderr
+
+
 def test_a_call_after_optree_cleared_its_registry_at_exit_says_so() -> None:
     # optree empties its registry in an atexit hook of its own, registered when fdp imports it:
     # a hook registered before `import fdp` runs after it, and every tree is then one leaf. The
