@@ -146,6 +146,33 @@ def test_real_interrupt_during_a_long_call_in_a_child_process() -> None:
     assert "next [2.0, 2.0] idle True" in result.stdout
 
 
+# A program whose replica 1 blocks in user code until ``release`` is set, and whose main thread
+# gets the signal named SIGNAL twice, 0.5 s apart, once replica 1 has started; the tests below
+# define SIGNAL first, and the body and the call after it.
+_BLOCKED_REPLICA = textwrap.dedent(
+    """
+    import signal, sys, threading, time, torch, fdp
+    from fdp import _pool
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    _pool.INLINE_REPLICAS = False
+    main, started, release = threading.main_thread().ident, threading.Event(), threading.Event()
+    def block():  # in replica 1: blocks until released, and says so
+        if fdp.axis_index("i") != 1:
+            return False
+        started.set()
+        release.wait()
+        return True
+    def interrupt():
+        started.wait()
+        for _ in range(2):
+            time.sleep(0.5)
+            signal.pthread_kill(main, getattr(signal, SIGNAL))
+    threading.Thread(target=interrupt, daemon=True).start()
+    """
+)
+
+
 @pytest.mark.parametrize(
     ("collective", "signal_name"), [(True, "SIGINT"), (False, "SIGINT"), (True, "SIGTERM")]
 )
@@ -156,37 +183,27 @@ def test_escaping_a_blocked_replica_leaves_later_calls_working(collective: bool,
     # took a third). The next call with a collective must not queue behind the blocked replica
     # on its worker: it used to wait forever, silently. A SIGTERM handler that calls sys.exit
     # (torchrun stops workers with SIGTERM) interrupts alike: it took a third signal.
-    script = f"COLLECTIVE = {collective}\nSIGNAL = '{signal_name}'\n" + textwrap.dedent(
-        """
-        import signal, sys, threading, time, torch, fdp
-        from fdp import _pool
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        _pool.INLINE_REPLICAS = False
-        main, started, release = threading.main_thread().ident, threading.Event(), threading.Event()
-        def body(x):
-            if fdp.axis_index("i") == 1:
-                started.set()
-                release.wait()
-            return fdp.psum(x, "i") if COLLECTIVE else x
-        def interrupt():
-            started.wait()
-            for _ in range(2):
-                time.sleep(0.5)
-                signal.pthread_kill(main, getattr(signal, SIGNAL))
-        threading.Thread(target=interrupt, daemon=True).start()
-        try:
-            fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
-        except (KeyboardInterrupt, SystemExit) as interrupted:
-            print("notes:", getattr(interrupted, "__notes__", []))
-        g = fdp.pmap(lambda x: fdp.psum(x, "j"), axis_name="j", devices=["cpu", "cpu"])
-        out = []
-        call = threading.Thread(target=lambda: out.append(g(torch.ones(2)).tolist()), daemon=True)
-        call.start()
-        call.join(20)
-        print("next", out, "idle", _pool.idle())
-        release.set()
-        """
+    script = (
+        f"COLLECTIVE = {collective}\nSIGNAL = '{signal_name}'\n"
+        + _BLOCKED_REPLICA
+        + textwrap.dedent(
+            """
+            def body(x):
+                block()
+                return fdp.psum(x, "i") if COLLECTIVE else x
+            try:
+                fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
+            except (KeyboardInterrupt, SystemExit) as interrupted:
+                print("notes:", getattr(interrupted, "__notes__", []))
+            g = fdp.pmap(lambda x: fdp.psum(x, "j"), axis_name="j", devices=["cpu", "cpu"])
+            out = []
+            call = threading.Thread(target=lambda: out.append(g(torch.ones(2)).tolist()), daemon=True)
+            call.start()
+            call.join(20)
+            print("next", out, "idle", _pool.idle())
+            release.set()
+            """
+        )
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -203,34 +220,26 @@ def test_a_replica_given_up_on_does_not_abort_the_exit(released: bool) -> None:
     # interpreter shuts down. A daemon thread that takes the GIL then is killed inside C++ code
     # and the process aborts ("terminate called without an active exception"), so the exit
     # waits for it; and, for 2 s at most, for one never released.
-    script = f"RELEASED = {released}\n" + textwrap.dedent(
-        """
-        import signal, threading, time, torch, fdp
-        from fdp import _pool
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        _pool.INLINE_REPLICAS = False
-        main, started, release = threading.main_thread().ident, threading.Event(), threading.Event()
-        def body(x):
-            if fdp.axis_index("i") == 1:
-                started.set()
-                release.wait()
-                deadline = time.monotonic() + 0.5
-                while time.monotonic() < deadline:
-                    torch.ones(100).add_(1)
-            return fdp.psum(x, "i")
-        def interrupt():
-            started.wait()
-            for _ in range(2):
-                time.sleep(0.5)
-                signal.pthread_kill(main, signal.SIGINT)
-        threading.Thread(target=interrupt, daemon=True).start()
-        try:
-            fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
-        except KeyboardInterrupt as interrupted:
-            print("gave up:", "stopped waiting for replica 1" in str(getattr(interrupted, "__notes__", [])))
-        if RELEASED:
-            release.set()
-        """
+    script = (
+        f"RELEASED = {released}\nSIGNAL = 'SIGINT'\n"
+        + _BLOCKED_REPLICA
+        + textwrap.dedent(
+            """
+            def body(x):
+                if block():
+                    deadline = time.monotonic() + 0.5
+                    while time.monotonic() < deadline:
+                        torch.ones(100).add_(1)
+                return fdp.psum(x, "i")
+            try:
+                fdp.pmap(body, axis_name="i", devices=["cpu", "cpu"])(torch.ones(2))
+            except KeyboardInterrupt as interrupted:
+                notes = str(getattr(interrupted, "__notes__", []))
+                print("gave up:", "stopped waiting for replica 1" in notes)
+            if RELEASED:
+                release.set()
+            """
+        )
     )
     # (A replica blocked for good holds the exit 2 s, not until the timeout.)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
