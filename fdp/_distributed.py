@@ -270,9 +270,16 @@ def _mark_forked_child() -> None:
     wait forever, and what it recorded in the store (an uncaught exception, a shutdown) would
     speak for its parent's rank, failing the other ranks' calls.
     """
+    global _INHERITED_GROUP
     if _STATE is not None:
         _STATE.forked = True
+    if dist.is_available() and dist.is_initialized():
+        _INHERITED_GROUP = dist.group.WORLD
 
+
+# The default process group a forked child inherited from its parent (see initialize): the
+# parent's, which the child cannot use, after its shutdown() too.
+_INHERITED_GROUP: Any = None
 
 os.register_at_fork(after_in_child=_mark_forked_child)
 
@@ -439,7 +446,8 @@ def initialize(
     Raises:
         RuntimeError: when ``RANK``, ``WORLD_SIZE`` (or, without ``store``, ``MASTER_PORT``) is
             not set and not passed, as in a process not launched by ``torchrun``; or when
-            :func:`initialize` was already called in this process (without :func:`shutdown`).
+            :func:`initialize` was already called in this process (without :func:`shutdown`); or
+            in a process forked from a member of a process group, whose group is its parent's.
 
     Examples:
         >>> import fdp
@@ -459,6 +467,14 @@ def initialize(
         False
     """
     global _STATE
+    if _INHERITED_GROUP is not None and dist.is_initialized() and dist.group.WORLD is _INHERITED_GROUP:
+        raise RuntimeError(
+            "fdp.distributed.initialize: this process was forked (os.fork, or a DataLoader or "
+            "multiprocessing worker started with 'fork') from a process in a torch.distributed "
+            "process group, and the group it would join is its parent's, whose threads fork does "
+            "not copy: it would wait forever, or speak for its parent's rank. Call initialize() "
+            "in processes started by torchrun (or with multiprocessing's 'spawn' start method)."
+        )
     if _STATE is not None:
         if _group_alive(_STATE):
             raise RuntimeError("fdp.distributed.initialize was already called in this process")

@@ -254,7 +254,14 @@ def test_a_process_forked_from_a_rank_is_not_in_its_group(tmp_path: Path) -> Non
                 raise ValueError("the child's own failure")
             except ValueError as error:
                 sys.excepthook(type(error), error, error.__traceback__)  # as if uncaught
-            fdp.distributed.shutdown()
+            joins = []
+            for _ in range(2):  # (its parent's group, before and after the child's shutdown())
+                try:
+                    fdp.distributed.initialize(backend="gloo")
+                except RuntimeError as error:
+                    joins.append(str(error))
+                fdp.distributed.shutdown()
+            result["joins"] = joins
             result["after_shutdown"] = psum(torch.ones(2)).tolist()  # this process's replicas alone
             with open(sys.argv[2], "w") as file:
                 json.dump(result, file)
@@ -277,9 +284,37 @@ def test_a_process_forked_from_a_rank_is_not_in_its_group(tmp_path: Path) -> Non
     child = json.loads(report.read_text())
     assert child["initialized"] is False and child["rank"] == 0, child
     assert "this process was forked from rank 0 after fdp.distributed.initialize()" in child["call"], child
+    assert len(child["joins"]) == 2, child
+    assert all("fdp.distributed.initialize: this process was forked" in j for j in child["joins"]), child
     assert child["after_shutdown"] == [2.0, 2.0], child
     assert "recorded False False" in result.stdout, result.stdout
     assert "parent True [2.0, 2.0]" in result.stdout, result.stdout
+
+
+def test_initialize_in_a_process_forked_from_a_member_of_the_users_group_is_refused(tmp_path: Path) -> None:
+    # The group was the user's (torch.distributed.init_process_group), not fdp's: the child's
+    # initialize() took it as an existing group to use, its parent's.
+    script = textwrap.dedent(
+        """
+        import os, sys, torch, fdp
+        import torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                fdp.distributed.initialize()
+                print("joined", flush=True)
+            except RuntimeError as error:
+                print("refused:", error, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        dist.destroy_process_group()
+        """
+    )
+    command = [sys.executable, "-c", script, str(tmp_path / "store")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "refused: fdp.distributed.initialize: this process was forked" in result.stdout, result.stdout
 
 
 def test_a_failure_every_rank_recovered_from_does_not_fail_later_calls(tmp_path: Path) -> None:
