@@ -54,6 +54,7 @@ class _Skeleton:
         self._pairs: list[tuple[weakref.ref[nn.Module], nn.Module]] = []
         self._copies: dict[int, tuple[weakref.ref[nn.Module], nn.Module]] = {}
         compiled = compiled_module_type()
+        _refuse_value_equal_modules(root)
         for name, original in root.named_modules():
             if isinstance(original, compiled):
                 raise TypeError(
@@ -851,6 +852,35 @@ def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | 
             assert slots is not None, leaf  # the layout, names included, is that of the tie
             slots[leaf] = value
     return swapped
+
+
+def _refuse_value_equal_modules(root: nn.Module) -> None:
+    """Refuses a tree in which two distinct submodules compare equal (a module class with
+    ``__eq__`` and ``__hash__`` by value, e.g. ``@dataclass(unsafe_hash=True)``).
+
+    ``named_modules()`` skips modules already seen by looking them up in a set, which finds
+    them by ``==``: it yields only the first of the two, and ``named_parameters()``,
+    ``state_dict()`` and every copy made from them miss the other's tensors (calls failed
+    with a bare ``KeyError: '_modules'``).
+    """
+    distinct = dict(root.named_modules())
+    seen = {id(module) for module in distinct.values()}
+    # (A child that is not among them was skipped as equal to one seen before. Not a second
+    # walk with remove_duplicate=False: that one never ends on a module inside itself.)
+    for parent_name, parent in distinct.items():
+        for child_name, module in parent.__dict__["_modules"].items():
+            if module is None or id(module) in seen:
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            first = next(other_name for other_name, other in distinct.items() if other == module)
+            raise TypeError(
+                f"fdp.functional_call: the submodules {first!r} and {name!r} are distinct "
+                f"{type(module).__qualname__} objects that compare equal (their class defines "
+                "__eq__ and __hash__ by value), and torch's named_modules() takes them for one: "
+                f"the tensors of {name!r} are missing from named_parameters() and state_dict(), "
+                "so no copy of the module can hold them. Compare modules by identity (for a "
+                "dataclass: @dataclass(eq=False))."
+            )
 
 
 def _own_originals(root: nn.Module, params: Any) -> None:

@@ -93,6 +93,16 @@ class StoresMethods(nn.Module):
         return self.lin.table["act"](x)
 
 
+class EqualByValue(nn.Linear):
+    """A module class that compares and hashes by value: two of them are equal."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
 # (id, inputs, call(inputs), exception type, message pattern)
 CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseException], str]] = [
     (
@@ -469,6 +479,23 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"fdp.DataParallel\(device_ids=\['cpu', 'cpu'\]\): a torch.compile'd module runs on one device "
         r"only",
+    ),
+    (
+        "two distinct submodules that compare equal",
+        lambda: (torch.zeros(1, 2),),
+        lambda a: fdp.functional_call(nn.Sequential(EqualByValue(2, 2), EqualByValue(2, 2)), {}, a),
+        TypeError,
+        r"fdp.functional_call: the submodules '0' and '1' are distinct EqualByValue objects that "
+        r"compare equal .* the tensors of '1' are missing from named_parameters\(\) and state_dict",
+    ),
+    (
+        "two distinct submodules that compare equal",
+        lambda: (torch.zeros(2, 2),),
+        lambda a: fdp.DataParallel(nn.Sequential(EqualByValue(2, 2), EqualByValue(2, 2)), device_ids=cpus(2))(
+            *a
+        ),
+        TypeError,
+        r"fdp.functional_call: the submodules '0' and '1' are distinct EqualByValue objects",
     ),
     (
         "a bound method of the module kept where fdp cannot rebind it to its private copy",
