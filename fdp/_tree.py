@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -83,6 +84,36 @@ def _fresh_registry_lock_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_fresh_registry_lock_after_fork)
+
+
+# How many distinct dataclasses of each (module, qualified name) fdp registered: many of one
+# name are a class defined inside a function that runs every step (see _count_redefinition).
+_REGISTERED_NAMES: collections.Counter[tuple[str, str]] = collections.Counter()
+REDEFINITIONS_WARNED_AT = 100
+
+
+def _count_redefinition(cls: type) -> None:
+    """Warns once a name has been registered for :data:`REDEFINITIONS_WARNED_AT` distinct classes.
+
+    optree's registry holds its types for good, so each class that a ``@dataclass`` statement
+    inside a function makes at every call stays registered, with every object it references:
+    memory grows call after call, and each new type empties fdp's caches of types and
+    structures. Nothing can unregister the old ones safely (an instance may still be held), so
+    this tells the user instead.
+    """
+    name = (cls.__module__, cls.__qualname__)
+    _REGISTERED_NAMES[name] += 1
+    if _REGISTERED_NAMES[name] == REDEFINITIONS_WARNED_AT:
+        warnings.warn(
+            f"fdp has registered {REDEFINITIONS_WARNED_AT} distinct dataclasses named "
+            f"{cls.__qualname__!r} (module {cls.__module__!r}) with optree to flatten them: a "
+            "@dataclass defined inside a function is a new class at every call, and each one "
+            "stays registered for good (optree's registry keeps its types), so memory grows "
+            "with every call and fdp's caches start over. Define the dataclass once, at module "
+            "level.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _register_dataclass(cls: type) -> None:
@@ -162,6 +193,7 @@ def _register_dataclass(cls: type) -> None:
         path_entry_type=optree.DataclassEntry,
         namespace=NAMESPACE,
     )
+    _count_redefinition(cls)
 
 
 def _namespaces_registering(cls: type) -> list[str]:

@@ -374,6 +374,33 @@ def test_dataclasses_nested_in_a_dataclass_never_seen_before_are_split_on_the_fi
     assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_a_dataclass_defined_inside_the_step_warns_once_it_has_been_made_many_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each call makes a new class, and each one stays registered with optree for good: memory
+    # grew call after call, silently.
+    from fdp import _tree
+
+    monkeypatch.setattr(_tree, "REDEFINITIONS_WARNED_AT", 5)
+    double = fdp.pmap(lambda batch: batch.x * 2, devices=cpus(2))
+
+    def step() -> torch.Tensor:
+        @dataclasses.dataclass
+        class MadeEveryStep:
+            x: torch.Tensor
+
+        return double(MadeEveryStep(torch.arange(4.0)))
+
+    for _ in range(4):
+        assert step().tolist() == [0.0, 2.0, 4.0, 6.0]
+    with pytest.warns(
+        RuntimeWarning, match=r"fdp has registered 5 distinct dataclasses named '.*MadeEveryStep'"
+    ) as caught:
+        assert step().tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert "Define the dataclass once, at module level" in str(caught[0].message)
+    step()  # once only
+
+
 def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
     @dataclasses.dataclass
     class WithDerived:
