@@ -69,8 +69,8 @@ class DataParallel(nn.Module, Generic[_M]):
         dim: the dimension along which inputs (positional and keyword) are split and outputs
             concatenated. Default: ``0``.
         buffers: in training mode (of any submodule), how the module's buffers are updated
-            from the replicas' copies: ``"average"`` (floating-point buffers become the average
-            of the replicas' updated copies, weighted by their numbers of rows; others, and
+            from the replicas' copies: ``"average"`` (floating-point and complex buffers become
+            the average of the replicas' updated copies, weighted by their numbers of rows; others, and
             reassigned ones whose replicas' values differ in shape or dtype, take replica 0's)
             or ``"replica0"`` (``nn.DataParallel``'s behaviour). Default: ``"average"``.
         split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
@@ -296,7 +296,9 @@ class DataParallel(nn.Module, Generic[_M]):
             alike = all(v.shape == new.shape and v.dtype == new.dtype for v in values)
             if (
                 self.buffers_mode == "average"
-                and new.is_floating_point()
+                # Complex statistics (a running mean of complex features) average as real ones
+                # do: taken from replica 0 alone, they dropped the other shards' rows.
+                and (new.is_floating_point() or new.is_complex())
                 and alike
                 # Replicas that agree (on a buffer that forward leaves alone, say) give their
                 # value as it is: shares such as 2/3 and 1/3 need not sum to exactly 1, and the

@@ -633,6 +633,33 @@ def test_averaging_leaves_untouched_buffers_alone_and_rounds_once() -> None:
     assert net.level.item() == 10.3125
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.complex128])
+def test_complex_buffers_are_averaged_as_real_ones(dtype: torch.dtype) -> None:
+    """A running mean of complex features took replica 0's value alone, silently: only
+    floating-point buffers were averaged. It is the one-device full-batch mean, as a real one."""
+
+    class Running(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(3, dtype=dtype))
+            self.fc = nn.Linear(3, 3, dtype=dtype)
+
+        def forward(self, x):
+            y = self.fc(x - self.mean)  # before the update: each shard sees the same mean
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+            return y
+
+    torch.manual_seed(0)
+    plain = Running()
+    net = copy.deepcopy(plain)
+    model = fdp.DataParallel(net, device_ids=cpus(2))
+    for _ in range(3):
+        x = torch.randn(6, 3, dtype=dtype)  # equal shards: the average is the full batch's mean
+        torch.testing.assert_close(model(x), plain(x))
+        torch.testing.assert_close(net.mean, plain.mean)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_wrapper_that_has_run_can_be_copied_and_saved(n: int) -> None:
     import pickle
