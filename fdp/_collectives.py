@@ -181,6 +181,16 @@ class _Packed:
                     f"{type(leaf).__name__}: {leaf!r}"
                 )
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
+        if numbers != "as_is" and not _QUANTIZED.isdisjoint([dtype for _, dtype in groups]):
+            # Checked once per dtype, not per leaf. A sum or extreme of quantized values has no
+            # one scale to hold it: torch's kernels refuse them ("Could not run 'aten::add.out'
+            # with arguments from the 'QuantizedCPU' backend"), on several replicas only, and
+            # after the exchange.
+            k = next(k for (_, dtype), members in groups.items() if dtype in _QUANTIZED for k in members)
+            raise TypeError(
+                f"{caller} reduces dense numbers, but {self._path(k)} is a quantized tensor "
+                f"({_tree.describe(self.leaves[k])}): dequantize it first (.dequantize())"
+            )
         self.keys = list(groups)
         self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
@@ -190,22 +200,45 @@ class _Packed:
         # Whether buffer b holds no empty leaf: unflatten_dense_tensors gives an empty leaf a
         # new tensor, not a view of the buffer, which would cut it from autograd.
         self.whole: list[bool] = []
-        for b, members in enumerate(self.members):
-            offset = 0
-            for k in members:
-                numel = self.leaves[k].numel()
-                self.slots[k] = (b, offset, numel)
-                offset += numel
-            self.whole.append(all([self.slots[k][2] for k in members]))
-            if len(members) == 1:
-                self.buffers.append(self.leaves[members[0]].reshape(-1))
-            elif untransformed:
-                # One call, one release of the GIL: a reshape and a cat per leaf cost a GIL
-                # hand-over each while another replica runs Python beside this one.
-                self.buffers.append(_flatten_dense([self.leaves[k] for k in members]))
-            else:  # torch.func's transforms have no rule for flatten_dense_tensors
-                self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
-            self.aliased.append(len(members) == 1)
+        try:
+            for b, members in enumerate(self.members):
+                offset = 0
+                for k in members:
+                    numel = self.leaves[k].numel()
+                    self.slots[k] = (b, offset, numel)
+                    offset += numel
+                self.whole.append(all([self.slots[k][2] for k in members]))
+                if len(members) == 1:
+                    self.buffers.append(self.leaves[members[0]].reshape(-1))
+                elif untransformed:
+                    # One call, one release of the GIL: a reshape and a cat per leaf cost a GIL
+                    # hand-over each while another replica runs Python beside this one.
+                    self.buffers.append(_flatten_dense([self.leaves[k] for k in members]))
+                else:  # torch.func's transforms have no rule for flatten_dense_tensors
+                    self.buffers.append(torch.cat([self.leaves[k].reshape(-1) for k in members]))
+                self.aliased.append(len(members) == 1)
+        except (RuntimeError, NotImplementedError) as err:
+            self._refuse_non_dense(caller, err)
+            raise
+
+    def _refuse_non_dense(self, caller: str, err: BaseException) -> None:
+        """Raises a TypeError naming the first sparse or nested leaf, if any, after packing
+        failed with ``err``: torch's error ("reshape is not implemented for sparse tensors",
+        "unsupported memory format option Contiguous", "For now nested reshape cannot change
+        or infer the implicit batch dimension") names neither the collective nor the leaf.
+        (Looked for only on failure: no such leaf packs.)"""
+        for k, leaf in enumerate(self.leaves):
+            if leaf.layout != torch.strided or leaf.is_nested:
+                kind = "a nested tensor" if leaf.is_nested else f"a tensor of layout {leaf.layout}"
+                fix = (
+                    "pass its components as a list of tensors, or a padded tensor (.to_padded_tensor(0.0))"
+                    if leaf.is_nested
+                    else "convert it with .to_dense()"
+                )
+                raise TypeError(
+                    f"{caller} takes dense tensors, but {self._path(k)} is {kind} (type "
+                    f"{_tree.describe(leaf)}), which it cannot pack for the exchange: {fix}"
+                ) from err
 
     def _path(self, k: int) -> str:
         """Leaf ``k``'s key path, for messages."""
@@ -243,6 +276,10 @@ class _Packed:
                 piece = buffers[b].narrow(-1, offset, numel)
                 out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
         return _tree.unflatten(self.treespec, out)
+
+
+# The quantized dtypes, which no reduction takes (see _Packed).
+_QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
 def _numpy_number(leaf: Any) -> bool:

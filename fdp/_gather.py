@@ -212,9 +212,12 @@ def _whole_as_it_is(leaves: list[Any], plan: OutputPlan, destination: torch.devi
         return all(t.device == destination for t in leaves if isinstance(t, torch.Tensor))
     if plan.all_zero and destination == _devices.CPU:
         tensor_types = _tree.TENSOR_TYPES
-        for t in leaves:  # noqa: SIM110
-            if type(t) not in tensor_types or not t.is_cpu or not t.shape:
-                return False
+        try:
+            for t in leaves:  # noqa: SIM110
+                if type(t) not in tensor_types or not t.is_cpu or not t.shape:
+                    return False
+        except RuntimeError:  # a nested tensor, which has no shape: joined as the others are
+            return False
         return True
     return False
 

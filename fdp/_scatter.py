@@ -85,7 +85,18 @@ def scatter_leaves(
                 f"{axis + 1 if axis >= 0 else -axis}, but it is only {ndim}"
             )
         dim = axis % ndim
-        size = leaf.shape[dim]
+        try:
+            size = leaf.shape[dim]
+        except RuntimeError as err:
+            # A nested tensor of torch's strided layout has no shape: torch's error ("Internal
+            # error: NestedTensorImpl doesn't support sizes. Please file an issue.") names neither
+            # the call nor the argument, and reads as a bug of torch's.
+            raise TypeError(
+                f"{caller}: {paths()[k]} is a nested tensor (type {_tree.describe(leaf)}), which "
+                f"fdp cannot split along axis {axis}: give it axis None to pass it whole to every "
+                "replica, or pass its components as a list of tensors, or a padded tensor "
+                "(.to_padded_tensor(0.0)) to split"
+            ) from err
         if batch is None:
             batch = size
         elif size != batch:
@@ -207,7 +218,10 @@ def one_replica_row(
         ndim = leaf.dim()
         if not -ndim <= axis < ndim:
             return None
-        size = leaf.shape[axis]
+        try:
+            size = leaf.shape[axis]
+        except RuntimeError:  # a nested tensor, which has no shape: an error to report
+            return None
         if batch is None:
             batch = size
         elif size != batch:
@@ -226,13 +240,16 @@ def _batch_along_0_on_cpu(leaves: Sequence[Any]) -> int | None:
     # code from the caches, it costs half of what the same tests written as comprehensions do.
     tensor_types = _tree.TENSOR_TYPES
     batch = None
-    for t in leaves:
-        if type(t) not in tensor_types or not t.is_cpu:
-            return None
-        shape = t.shape
-        if not shape or (batch is not None and shape[0] != batch):
-            return None
-        batch = shape[0]
+    try:
+        for t in leaves:
+            if type(t) not in tensor_types or not t.is_cpu:
+                return None
+            shape = t.shape
+            if not shape or (batch is not None and shape[0] != batch):
+                return None
+            batch = shape[0]
+    except RuntimeError:  # a nested tensor, which has no shape: an error for the general path
+        return None
     return batch or None  # None: no leaves; 0: an empty batch
 
 
@@ -249,7 +266,10 @@ def _split_all_on_cpu(
     for t in leaves:  # one plain loop: the cheapest way to test every leaf in Python
         if type(t) not in tensor_types or not t.is_cpu:
             return None
-    shape = leaves[0].shape
+    try:
+        shape = leaves[0].shape
+    except RuntimeError:  # a nested tensor, which has no shape: an error for the general path
+        return None
     if not shape or not shape[0]:
         return None
     sizes = _split.shard_sizes(shape[0], len(devices), split)

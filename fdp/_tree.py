@@ -616,7 +616,13 @@ def describe(value: object) -> str:
     """A short description for error messages: ``float32[8,4]`` for tensors, else the type."""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
-        return f"{dtype}[{','.join(str(s) for s in value.shape)}]"
+        try:
+            shape = value.shape
+        except RuntimeError:
+            # A nested tensor of torch's strided layout has no shape ("NestedTensorImpl doesn't
+            # support sizes"): described by its components, for the message it goes into.
+            return f"{dtype}[nested tensor of {value.size(0)} components]"
+        return f"{dtype}[{','.join(str(s) for s in shape)}]"
     return type(value).__name__
 
 

@@ -4,6 +4,7 @@ the right type naming the argument, and the failing call leaves its inputs as th
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,20 @@ from helpers import cpus, opaque
 from torch import nn
 
 import fdp
+
+
+def nested(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A nested tensor of torch's strided layout (its prototype warning silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor(tensors)
+
+
+def quantized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` quantized (torch's deprecation warning for quantized tensors silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(t, 0.1, 0, torch.quint8)
 
 
 def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:
@@ -338,6 +353,36 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"args\[1\] is a tensor of layout torch.sparse_coo \(type float32\[4,4\]\), which fdp cannot split "
         r"along axis 0: give it axis None",
+    ),
+    (
+        # torch's own error read "Internal error: NestedTensorImpl doesn't support sizes. Please
+        # file an issue.", naming neither the call nor the argument.
+        "a nested tensor under an int axis",
+        lambda: (torch.zeros(2), nested([torch.zeros(3), torch.zeros(2)])),
+        lambda a: pm(lambda x, s: x)(*a),
+        TypeError,
+        r"args\[1\] is a nested tensor \(type float32\[nested tensor of 2 components\]\), which fdp "
+        r"cannot split along axis 0: give it axis None",
+    ),
+    (
+        # torch's own errors ("reshape is not implemented for sparse tensors", "unsupported memory
+        # format option Contiguous") named neither the collective nor the leaf.
+        "a sparse or nested tensor in a collective",
+        lambda: (torch.zeros(2),),
+        lambda a: pm(lambda x: fdp.psum({"d": x, "s": torch.eye(2).to_sparse()}, "i"), axis_name="i")(*a),
+        TypeError,
+        r"^fdp.psum takes dense tensors, but x\['s'\] is a tensor of layout torch.sparse_coo \(type "
+        r"float32\[2,2\]\), which it cannot pack for the exchange: convert it with .to_dense\(\)",
+    ),
+    (
+        # On several replicas, torch's kernel refused it after the exchange ("Could not run
+        # 'aten::add.out' with arguments from the 'QuantizedCPU' backend"); on one, it passed.
+        "a quantized tensor in a reduction",
+        lambda: (torch.zeros(2), quantized(torch.ones(3))),
+        lambda a: pm(lambda x, q: fdp.pmax(q, "i"), axis_name="i", in_axes=(0, None))(*a),
+        TypeError,
+        r"^fdp.pmax reduces dense numbers, but x is a quantized tensor \(quint8\[3\]\): dequantize it "
+        r"first \(.dequantize\(\)\)",
     ),
     (
         "a pmapped module called without a dict of params first (`pmapped(model, x)`)",
@@ -670,7 +715,14 @@ def test_bad_input(
         if len(then) == 3 and name != "in-place update of a replicated input":  # mutated by the user's fn
             if not now.is_meta:  # (a meta tensor holds no values to compare; its version counter says)
                 dense = now.layout != torch.strided  # torch.equal takes strided tensors only
-                assert torch.equal(now.to_dense(), then[1].to_dense()) if dense else torch.equal(now, then[1])
+                if now.is_nested:  # nor nested ones: compared component by component
+                    assert all(map(torch.equal, now.unbind(), then[1].unbind()))
+                else:
+                    assert (
+                        torch.equal(now.to_dense(), then[1].to_dense())
+                        if dense
+                        else torch.equal(now, then[1])
+                    )
             assert now._version == then[2]
 
 
