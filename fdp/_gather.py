@@ -403,7 +403,15 @@ def _unmapped(
     values: Sequence[torch.Tensor], destination: torch.device, *, caller: str, check: bool, path: Any
 ) -> torch.Tensor:
     chosen = next((r for r, v in enumerate(values) if v.device == destination), 0)
-    result = _transfer.to_device(values[chosen], destination)
+    try:
+        result = _transfer.to_device(values[chosen], destination)
+    except (RuntimeError, NotImplementedError) as err:
+        # A meta tensor, say ("Cannot copy out of meta tensor; no data!"): torch's error names
+        # neither the call nor the output, as the concatenation's (for int axes) does.
+        raise ValueError(
+            f"{caller}: cannot move {path()} ({_tree.describe(values[chosen])} on "
+            f"{values[chosen].device}), whose out_axes is None, to {destination} ({err})"
+        ) from err
     if check:
         for r, v in enumerate(values):
             if r != chosen and not _same_tensor(_transfer.to_device(v, destination), result):

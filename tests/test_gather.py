@@ -269,3 +269,19 @@ def test_all_tensor_outputs_keep_gradients_and_parameters() -> None:
     joined = fdp.gather([{"w": p["w"] * 2} for p in pieces], "cpu")
     joined["w"].sum().backward()
     assert torch.equal(w.grad, torch.full((4, 2), 2.0))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_meta_output_is_named_under_out_axes_none_as_under_an_int_axis(n: int) -> None:
+    # Under out_axes=None torch's own NotImplementedError ("Cannot copy out of meta tensor; no
+    # data!") came through, naming neither the call nor the output.
+    f = fdp.pmap(lambda x: (x, torch.empty(2, 3, device="meta")), devices=["cpu"] * n, out_axes=(0, None))
+    for _ in range(3):
+        with pytest.raises(
+            ValueError,
+            match=r"^fdp.pmap\(.*<lambda>\): cannot move output\[1\] \(float32\[2,3\] on meta\), whose "
+            r"out_axes is None, to cpu \(Cannot copy out of meta tensor",
+        ):
+            f(torch.ones(4))
+    with pytest.raises(ValueError, match=r"cannot concatenate output\[1\] along axis 0"):
+        fdp.pmap(lambda x: (x, torch.empty(2, 3, device="meta")), devices=["cpu"] * n)(torch.ones(4))
