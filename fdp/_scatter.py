@@ -93,9 +93,9 @@ def scatter_leaves(
             # the call nor the argument, and reads as a bug of torch's.
             raise TypeError(
                 f"{caller}: {paths()[k]} is a nested tensor (type {_tree.describe(leaf)}), which "
-                f"fdp cannot split along axis {axis}: give it axis None to pass it whole to every "
-                "replica, or pass its components as a list of tensors, or a padded tensor "
-                "(.to_padded_tensor(0.0)) to split"
+                f"fdp cannot split along axis {axis}: {_whole_advice(caller)}, or pass its "
+                "components as a list of tensors, or a padded tensor (.to_padded_tensor(0.0)) to "
+                "split"
             ) from err
         if batch is None:
             batch = size
@@ -158,14 +158,21 @@ def scatter_leaves(
             raise TypeError(
                 f"{caller}: {paths()[k]} is a tensor of layout {leaf.layout} (type "
                 f"{_tree.describe(leaf)}), which fdp cannot split along axis {user_axes[k]}: "
-                "give it axis None to pass it whole to every replica, or convert it with "
-                f".to_dense() to split it ({type(err).__name__}: {str(err).split('. ')[0]})"
+                f"{_whole_advice(caller)}, or convert it with .to_dense() to split it "
+                f"({type(err).__name__}: {str(err).split('. ')[0]})"
             ) from err
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared, caller, paths)
     if share:
         _share_for_backward(leaves, replicated, resident, rows)
     return Scattered(rows, run_on, sizes, shared)
+
+
+def _whole_advice(caller: str) -> str:
+    """How to give every replica all of an argument, for ``caller``'s messages."""
+    if caller.startswith("fdp.DataParallel"):  # no in_axes: every tensor argument is split
+        return "to give every replica all of it, hold it on the module instead of passing it"
+    return "give it axis None to pass it whole to every replica"
 
 
 # Leaves that every replica gets as they are, mapped or not (a step count in resident state),

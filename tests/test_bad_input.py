@@ -108,6 +108,16 @@ class StoresMethods(nn.Module):
         return self.lin.table["act"](x)
 
 
+class Takes2(nn.Linear):
+    """A module whose forward takes a second argument, and leaves it alone."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
 class EqualByValue(nn.Linear):
     """A module class that compares and hashes by value: two of them are equal."""
 
@@ -353,6 +363,23 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"args\[1\] is a tensor of layout torch.sparse_coo \(type float32\[4,4\]\), which fdp cannot split "
         r"along axis 0: give it axis None",
+    ),
+    (
+        # (DataParallel has no in_axes: "give it axis None" would be no advice there.)
+        "a sparse tensor under an int axis",
+        lambda: (torch.zeros(4, 1), torch.eye(4).to_sparse()),
+        lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(*a),
+        TypeError,
+        r"^fdp.DataParallel: inputs\[1\] is a tensor of layout torch.sparse_coo .* along axis 0: to "
+        r"give every replica all of it, hold it on the module instead of passing it, or convert",
+    ),
+    (
+        "a nested tensor under an int axis",
+        lambda: (torch.zeros(2, 1), nested([torch.zeros(3), torch.zeros(2)])),
+        lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(*a),
+        TypeError,
+        r"^fdp.DataParallel: inputs\[1\] is a nested tensor .* along axis 0: to give every replica "
+        r"all of it, hold it on the module instead of passing it, or pass its components",
     ),
     (
         # torch's own error read "Internal error: NestedTensorImpl doesn't support sizes. Please
