@@ -530,16 +530,33 @@ class Pmapped(Generic[P, R]):
                 if _counter_shared_with_a_shard(scattered, copies):
                     continue  # perhaps a shard's own update (see there): nothing to blame
                 paths = self._paths(parts, roots)
+                advice = self.in_place_advice
+                if advice is None and self.is_module and paths[k].startswith("params"):
+                    # A pmapped module's tensors: its caller cannot return new values for them
+                    # (the module's forward is the whole mapped function), so say what can.
+                    advice = _MODULE_IN_PLACE_ADVICE
                 raise RuntimeError(
                     f"{self._caller}: the replicas modified {paths[k]} in place, but it is "
                     f"replicated (axis None) over {len(copies)} replicas, which share it on one "
                     "device or hold copies of it on others: the updates race or are lost. "
                     + (
-                        self.in_place_advice
+                        advice
                         or "Return the new value instead (for BatchNorm statistics, pass the buffers "
                         "in and return the updated ones), or map the argument."
                     )
                 )
+
+
+# What a pmapped module that changes its own tensors (BatchNorm's running statistics in training
+# mode) can do instead: it returns only forward's output, so "return the new value" is no advice.
+_MODULE_IN_PLACE_ADVICE = (
+    "A pmapped module returns only its forward's output, so it cannot hand back new values of "
+    "its tensors (BatchNorm's running statistics in training mode, fdp.SyncBatchNorm's too): call it in "
+    "evaluation mode; or use fdp.DataParallel(model, device_ids=...), whose replicas each update "
+    "a copy of the buffers, written back after the call (give it axis_name= for fdp.SyncBatchNorm "
+    "layers); or pmap a function that calls the module with fdp.stateful_call(model, params, "
+    "buffers, args) and returns the new buffers with its output."
+)
 
 
 def _complete_state(module: nn.Module, params: Any) -> Any:

@@ -94,3 +94,24 @@ def test_batchnorm_train_mode_is_refused_not_corrupted() -> None:
         RuntimeError, match=r"modified params\['(running_mean|running_var|num_batches_tracked)'\] in place"
     ):
         fdp.pmap(layer, devices=cpus(2))(params, torch.randn(8, 5))
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["BatchNorm1d", "fdp.SyncBatchNorm"])
+def test_pmapped_module_updating_its_buffers_is_told_what_works_instead(sync: bool) -> None:
+    # A pmapped module cannot return new buffers: "return the new value instead" would be no
+    # advice. The error names what works (eval mode, fdp.DataParallel, fdp.stateful_call).
+    model: nn.Module = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
+    if sync:
+        model = fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name="batch")
+    pmapped = fdp.pmap(model, axis_name="batch", devices=cpus(3))
+    with pytest.raises(RuntimeError, match=r"modified params\['1\.\w+'\] in place") as raised:
+        pmapped({}, torch.randn(8, 3))
+    message = str(raised.value)
+    assert "cannot hand back" in message
+    assert "evaluation mode" in message
+    assert "fdp.DataParallel(model" in message
+    assert "fdp.stateful_call(model" in message
+    assert "Return the new value instead" not in message
+    model.eval()  # what the message offers first works
+    x = torch.randn(8, 3)
+    torch.testing.assert_close(pmapped({}, x), model(x))
