@@ -169,7 +169,10 @@ def unreplicate(tree: Any, index: int = 0) -> Any:
 
     Returns:
         ``tree`` with every :class:`PerReplica` replaced by its ``index``-th value (on that
-        replica's device).
+        replica's device). These are that replica's own tensors, not copies (nothing is copied,
+        as flax's unreplicate copies nothing): a tensor changed in place (a model that takes
+        them with ``load_state_dict(..., assign=True)`` and trains on) changes that replica's
+        state alone, and the replicas part. ``.clone()`` the ones to modify.
 
     Examples:
         >>> import torch, fdp
