@@ -235,10 +235,17 @@ def eager_under_compile(fn: _F, *, why: str | None = None) -> _F:
     never_compiled(fn)
     fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # callers' graphs break here
     # What dynamo says of the break, e.g. to torch.compile(..., fullgraph=True).
+    # Where the graph may not break, dynamo raises Unsupported with this: it must also cover a
+    # collective inside fdp.pmap(..., compile=True), reached in code that compiles in one piece
+    # (fdp.SyncBatchNorm under fdp.stateful_call), where "use fdp.pmap(compile=True)" is no help.
     fn._torchdynamo_disable_msg = why or (  # type: ignore[attr-defined]
         f"fdp runs {fn.__qualname__} eagerly, as a graph break: it waits for or runs "
-        "replicas in other threads, which torch.compile cannot trace (fullgraph=True cannot "
-        "hold it). To compile what the replicas run, use fdp.pmap(fn, compile=True)."
+        "replicas in other threads, which torch.compile cannot trace. Where the graph may not "
+        "break (fullgraph=True, or a module's forward run by fdp.stateful_call or "
+        "fdp.functional_call in compiled code, which compiles in one piece: an fdp.SyncBatchNorm "
+        "layer in training mode, say), call it outside that code, or leave that code "
+        "uncompiled. To compile what the replicas of a pmapped call run, use "
+        "fdp.pmap(fn, compile=True)."
     )
     return fn
 

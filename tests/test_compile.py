@@ -555,3 +555,30 @@ def test_a_schedule_that_breaks_the_graph_steps_as_eagerly(make: Any) -> None:
         results.append(fdp.unreplicate(state))
     torch.testing.assert_close(results[1]["params"], results[0]["params"])
     assert results[1]["opt"].step == results[0]["opt"].step == 3
+
+
+def test_sync_batch_norm_under_a_compiled_stateful_call_says_where_the_graph_may_not_break() -> None:
+    # A module's forward under fdp.stateful_call compiles in one piece, so the layer's exchange
+    # (a graph break) is refused there. Dynamo's error gives the collective's reason, which must
+    # not send the user to fdp.pmap(fn, compile=True) alone: the call is already compiled so.
+    model = fdp.SyncBatchNorm.convert_sync_batchnorm(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), "batch"
+    )
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+
+    def step(x: torch.Tensor) -> Any:
+        return fdp.stateful_call(model, params, buffers, (x,))
+
+    mapped = fdp.pmap(
+        step, axis_name="batch", devices=cpus(2), out_axes=(0, None), compile={"backend": "eager"}
+    )
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(torch._dynamo.exc.Unsupported) as raised:
+            mapped(torch.randn(6, 3))
+    finally:
+        torch._dynamo.reset()
+    message = str(raised.value)
+    assert "fdp runs all_gather eagerly" in message
+    assert "fdp.stateful_call or fdp.functional_call in compiled code" in message
+    assert "leave that code uncompiled" in message
