@@ -703,6 +703,28 @@ def test_activation_checkpointing_inside_forward(n: int) -> None:
     assert_grads_match(net, oracle, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_buffers_changed_in_a_checkpointed_segment_are_updated_once_per_step_on_several_devices(
+    n: int,
+) -> None:
+    # As docs/concepts.md says: torch's recomputation runs forward's buffer updates again (a
+    # module run by itself, as on one device, counts the batch twice); on several devices the
+    # recomputation writes to the call's copies, written back already.
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+
+    class Segmented(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+
+    model = fdp.DataParallel(Segmented(), device_ids=cpus(n))
+    model(torch.randn(6, 3)).square().sum().backward()
+    assert net[1].num_batches_tracked.item() == (2 if n == 1 else 1)
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "on_workers"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_activation_checkpointing_around_the_wrapper(
