@@ -295,7 +295,7 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
     ``axis_index`` does."""
     first = packs[0]
     for r, packed in enumerate(packs[1:], start=1):
-        if not _tree.same_structure(packed.treespec, first.treespec):
+        if not _tree.replicas_agree(packed.treespec, first.treespec):
             raise ValueError(
                 f"{caller}: the replicas passed trees of different structure: replica {offset} "
                 f"passed {first.treespec} but replica {offset + r} passed {packed.treespec}"

@@ -15,7 +15,7 @@ and the public :func:`gather` both use it.
 
 from __future__ import annotations
 
-import math
+import cmath
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,7 +49,13 @@ def _equal(a: Any, b: Any) -> bool:
             return True
     except Exception:  # noqa: BLE001 - e.g. an ambiguous truth value: not provably equal
         return False
-    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    # NaN equals nothing, itself included: each replica computing one makes an object of its own.
+    return (
+        isinstance(a, float | complex)
+        and isinstance(b, float | complex)
+        and cmath.isnan(a)
+        and cmath.isnan(b)
+    )
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,7 +141,7 @@ def gather_outputs(
         types = list(map(type, leaves))
         flat += [_tree.flatten_like(out, treespec, types) for out in outputs[1:]]
         for r, (_, other) in enumerate(flat[1:], start=1):
-            if not _tree.same_structure(other, treespec):
+            if not _tree.replicas_agree(other, treespec):
                 raise ValueError(
                     f"{caller}: the replicas returned outputs of different structure: replica 0 "
                     f"returned {treespec} but replica {r} returned {other}. Every replica must "

@@ -33,6 +33,7 @@ __all__ = [
     "LastStructure",
     "SpecCache",
     "same_structure",
+    "replicas_agree",
     "has_keyed_containers",
     "unflatten",
     "flatten_with_paths",
@@ -548,6 +549,46 @@ def same_structure(a: optree.PyTreeSpec, b: optree.PyTreeSpec) -> bool:
         return bool(a == b)
     except _UNCOMPARABLE:
         return False
+
+
+def replicas_agree(a: optree.PyTreeSpec, b: optree.PyTreeSpec) -> bool:
+    """:func:`same_structure` for the trees of two replicas (outputs, a collective's values):
+    NaN in node data counts as equal to NaN, as replicas' NaN leaves do.
+
+    Each replica that computes ``float("nan")`` (a dataclass's non-node ``scale``, say) makes
+    an object of its own, equal to no other nor to itself, so ``==`` alone would call the
+    same tree of two structures. Looked at only where ``==`` says they differ: no cost for
+    structures that agree."""
+    if same_structure(a, b):
+        return True
+    if a.num_nodes != b.num_nodes or a.num_leaves != b.num_leaves or a.namespace != b.namespace:
+        return False
+    try:
+        return bool(_without_nan(a) == _without_nan(b))
+    except _UNCOMPARABLE:
+        return False
+
+
+class _NaN:
+    """Stands for a float or complex NaN in :func:`_without_nan`: equal to itself."""
+
+    __slots__ = ()
+
+
+_NAN = _NaN()
+
+
+def _without_nan(spec: optree.PyTreeSpec) -> Any:
+    """``spec`` as nested tuples of (node type, node data, children), with every NaN in the
+    node data replaced by one object (dict keys come sorted, as ``==`` on structures takes them)."""
+
+    def node(node_type: type, node_data: Any, children: tuple[Any, ...]) -> Any:
+        data = optree.tree_map(
+            lambda x: _NAN if isinstance(x, float | complex) and x != x else x, node_data, none_is_leaf=True
+        )
+        return node_type, data, children
+
+    return spec.walk(range(spec.num_leaves), f_node=node)
 
 
 # Containers that flatten_up_to matches by their keys alone (see LastStructure).

@@ -703,6 +703,18 @@ def test_trees_with_a_tensor_in_a_non_node_field() -> None:
         finishes(lambda: per_row(lambda x: fdp.psum(Tagged(x, torch.tensor([1.0, 2.0])), "i").x)(rows()))
 
 
+def test_trees_with_nan_in_a_non_node_field() -> None:
+    # Each replica's float("nan") is unequal to the others' (and to itself): node data compared
+    # with == alone made the same tree "of different structure", printed twice alike.
+    @dataclasses.dataclass
+    class Scaled:
+        x: torch.Tensor
+        scale: float = dataclasses.field(metadata={"pytree_node": False})
+
+    out = per_row(lambda x: fdp.psum(Scaled(x, float("nan")), "i").x)(rows())
+    torch.testing.assert_close(out, rows().sum(0, keepdim=True).expand(N, -1))
+
+
 def test_replicas_passing_different_shapes() -> None:
     with pytest.raises(
         ValueError, match=r"different shapes or dtypes at x\['v'\]: replica 0 passed float32\[4\]"

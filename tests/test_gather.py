@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import cmath
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -105,6 +107,33 @@ def test_nan_non_tensor_outputs_are_equal() -> None:
     # Replicas computing the same float NaN agree (float("nan") is a new object each time).
     out = fdp.gather([(torch.ones(1), float("nan")), (torch.ones(1), float("nan"))], "cpu")
     assert math.isnan(out[1])
+
+
+def test_complex_nan_non_tensor_outputs_are_equal() -> None:
+    # As float NaNs: complex("nan") is a new object each time, equal to nothing, itself included.
+    out = fdp.gather([(torch.ones(1), complex("nan")), (torch.ones(1), complex("nan"))], "cpu")
+    assert cmath.isnan(out[1])
+
+
+@dataclasses.dataclass
+class Stats:
+    y: torch.Tensor
+    scale: float = dataclasses.field(default=1.0, metadata={"pytree_node": False})
+
+
+def test_nan_in_a_non_node_field_is_the_same_structure_on_every_replica() -> None:
+    # A non-node field is node data, compared with ==: each replica's float("nan") was unequal
+    # to the others', and the call failed saying the replicas returned outputs of different
+    # structure, printing the same structure twice. NaN leaves agree; so does NaN node data.
+    out = fdp.gather([Stats(torch.ones(1), float("nan")), Stats(torch.zeros(2), float("nan"))], "cpu")
+    assert isinstance(out, Stats) and math.isnan(out.scale) and out.y.tolist() == [1.0, 0.0, 0.0]
+    mapped = fdp.pmap(lambda x: Stats(2 * x, float("nan")), devices=["cpu"] * 2)
+    for _ in range(2):  # the structure kept from the first call, too
+        out = mapped(torch.arange(3.0))
+        assert math.isnan(out.scale) and out.y.tolist() == [0.0, 2.0, 4.0]
+    # Other node data that differs still does.
+    with pytest.raises(ValueError, match="different structure"):
+        fdp.gather([Stats(torch.ones(1), float("nan")), Stats(torch.ones(1), 1.0)], "cpu")
 
 
 def test_equal_non_tensor_outputs_that_are_other_objects_are_returned_once() -> None:
