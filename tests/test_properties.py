@@ -172,3 +172,70 @@ def test_replicate_gives_every_device_the_tree(case: tuple[Any, int, int, str]) 
     assert len(copies) == n
     for copy in copies:
         assert_same(copy, tree)
+
+
+@dataclasses.dataclass
+class Scaled:
+    content: Any
+    scale: Any = dataclasses.field(default=1, metadata={"pytree_node": False})
+
+
+# Non-node values that are equal by == (and hash alike) but not the same: a structure kept from
+# an earlier call must not lend its value to a later one (2 for 2.0, True for 1, 0.0 for -0.0).
+EQUAL_BUT_NOT_SAME = [1, 1.0, True, 2, 2.0, 0.0, -0.0, "s", (1, 2), (1.0, 2), float("nan")]
+
+
+def assert_strictly_same(actual: Any, expected: Any) -> None:
+    """assert_same, with non-tensor leaves of the same type, and node data (a non-node field's
+    value) of the same type and sign, as ``str`` of the structure spells it."""
+    assert str(optree.tree_structure(actual, namespace=fdp.NAMESPACE)) == str(
+        optree.tree_structure(expected, namespace=fdp.NAMESPACE)
+    )
+    assert_same(actual, expected)
+    for a, e in zip(
+        optree.tree_leaves(actual, namespace=fdp.NAMESPACE),
+        optree.tree_leaves(expected, namespace=fdp.NAMESPACE),
+    ):
+        assert type(a) is type(e)
+
+
+def double_and_describe(*args: Any) -> Any:
+    """Row-wise: tensors doubled, and the structure (with every non-node value) as a string leaf."""
+    doubled = optree.tree_map(
+        lambda x: x * 2 if isinstance(x, torch.Tensor) and x.dtype != torch.bool else x,
+        args,
+        namespace=fdp.NAMESPACE,
+    )
+    return doubled, str(optree.tree_structure(args, namespace=fdp.NAMESPACE))
+
+
+@st.composite
+def call_sequences(draw: st.DrawFn) -> tuple[list[tuple[Any, ...]], int, str]:
+    """Calls of one pmapped function: trees of several structures, then repeated with other
+    values, dict keys in another order, or a non-node value swapped for an equal one."""
+    calls: list[tuple[Any, ...]] = []
+    for _ in range(draw(st.integers(2, 6))):
+        if calls and draw(st.booleans()):
+            # Mostly the last call's structure: the one a pmapped function keeps to follow.
+            tree, scale, rows = calls[-1 if draw(st.booleans()) else draw(st.integers(0, len(calls) - 1))]
+            if isinstance(tree, dict):
+                tree = dict(reversed(list(tree.items())))
+            scale = draw(st.sampled_from(EQUAL_BUT_NOT_SAME))
+        else:
+            rows = draw(st.integers(1, 7))
+            tree = draw(st.one_of(trees(rows, 0), tensor_leaf(rows, 0)))  # some with no dict
+            scale = draw(st.sampled_from(EQUAL_BUT_NOT_SAME))
+        calls.append((tree, scale, rows))
+    sequence = [(Scaled(tree, scale), torch.arange(rows, dtype=torch.float64)) for tree, scale, rows in calls]
+    return sequence, draw(st.sampled_from([1, 2, 2, 3])), draw(st.sampled_from(["chunk", "balanced"]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call_sequences())
+def test_call_sequences_match_one_device(case: tuple[list[tuple[Any, ...]], int, str]) -> None:
+    # One pmapped function for the whole sequence, so that what it keeps between calls (the last
+    # structure, plans by structure, the output's structure) is exercised.
+    sequence, n, split = case
+    mapped = fdp.pmap(double_and_describe, devices=cpus(n), split=split)
+    for args in sequence:
+        assert_strictly_same(mapped(*args), double_and_describe(*args))
