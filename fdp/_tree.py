@@ -15,6 +15,7 @@ and so are, from the first time one is seen:
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import os
@@ -358,20 +359,13 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
             # Passed whole, each replica would get every row: a JAX habit (jax.pmap splits
             # NumPy arrays) that gives wrong shapes, or a silent broadcast, rather than an error.
             kind = f"{type(leaf).__module__.partition('.')[0]}.{type(leaf).__qualname__}"
-            if caller.startswith("fdp.DataParallel"):  # no in_axes: every argument is mapped
-                whole = (
-                    "hold it on the module instead of passing it (fdp.DataParallel maps every "
-                    "argument; nn.DataParallel gave such an array whole to every replica)"
-                )
-            elif caller.startswith("fdp.scatter"):
-                whole = "give it axis None in in_axes"
-            else:
-                whole = "pass it positionally with axis None in in_axes (keyword arguments are always split)"
             return (
                 f"a {kind} of shape {shape} is not a torch.Tensor, and fdp splits only tensors: "
                 "every replica would get all of it. Convert it with torch.as_tensor to split it; "
-                f"to give every replica all of it, {whole}"
+                f"to give every replica all of it, {_whole(caller, old_note=True)}"
             )
+        if isinstance(leaf, (list, tuple, collections.abc.Mapping)):
+            return _unflattened_container_reason(leaf, caller)
         return None
     if not any(isinstance(getattr(leaf, f.name, None), torch.Tensor) for f in dataclasses.fields(leaf)):
         return None
@@ -379,6 +373,44 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
         f"fdp cannot split the dataclass {type(leaf).__qualname__}: {reason}. Register it with "
         f"optree.register_pytree_node(..., namespace={NAMESPACE!r}) to say how to flatten and "
         "rebuild it, or give it axis None to pass it whole"
+    )
+
+
+def _whole(caller: str, *, old_note: bool = False) -> str:
+    """How to give every replica all of an argument that ``caller`` would split; with
+    ``old_note``, that ``nn.DataParallel`` did so."""
+    if caller.startswith("fdp.DataParallel"):  # no in_axes: every argument is mapped
+        old = "; nn.DataParallel gave such an array whole to every replica" if old_note else ""
+        return f"hold it on the module instead of passing it (fdp.DataParallel maps every argument{old})"
+    if caller.startswith("fdp.scatter"):
+        return "give it axis None in in_axes"
+    return "pass it positionally with axis None in in_axes (keyword arguments are always split)"
+
+
+def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
+    """Why a leaf that is a container optree does not flatten (a subclass of dict, list or
+    tuple, a ``collections.UserDict``, another ``Mapping``), if it holds tensors, cannot be split.
+
+    optree flattens the container types registered with it, and no subclass of them (but
+    namedtuples): such a container is one leaf, which every replica would get whole, each
+    with all the rows (n times the rows in the output, silently). ``nn.DataParallel`` split
+    dict subclasses; a Hugging Face ``BatchEncoding`` is a ``UserDict``.
+    """
+    cls = type(leaf)
+    plain = dict if isinstance(leaf, collections.abc.Mapping) else list if isinstance(leaf, list) else tuple
+    try:
+        contents = plain(leaf)
+    except Exception:  # noqa: BLE001 - not a container fdp can read: a leaf like any other
+        return None
+    if not any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(contents, namespace=NAMESPACE)):
+        return None
+    return (
+        f"a {cls.__qualname__} holding tensors, a container of a type that fdp does not flatten "
+        "(optree flattens the container types registered with it, not their subclasses nor other "
+        f"mappings), so every replica would get all of it. Pass a plain {plain.__name__} "
+        f"({plain.__name__}(obj)) to split it, or register {cls.__qualname__} with "
+        f"optree.register_pytree_node(..., namespace={NAMESPACE!r}); to give every replica all of "
+        f"it, {_whole(caller)}"
     )
 
 

@@ -118,6 +118,10 @@ class Takes2(nn.Linear):
         return super().forward(x)
 
 
+class ListOfRows(list):  # type: ignore[type-arg]
+    """A list subclass, which optree does not flatten."""
+
+
 class EqualByValue(nn.Linear):
     """A module class that compares and hashes by value: two of them are equal."""
 
@@ -504,6 +508,27 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: fdp.pmap(lambda x: x, devices=["mps"])(*a),
         ValueError,
         r"devices\[0\]: fdp runs on cpu and cuda devices, got 'mps'",
+    ),
+    (
+        # optree takes it for a leaf: every replica got all of it, each with every row (n times
+        # the rows in the output), silently.
+        "a subclass of dict, list or tuple, or another mapping, holding tensors under an int axis",
+        lambda: (torch.zeros(4, 1), collections.UserDict(y=torch.zeros(4, 1))),
+        lambda a: pm(lambda x, d: x)(*a),
+        TypeError,
+        r"args\[1\]: a UserDict holding tensors, a container of a type that fdp does not flatten "
+        r".* Pass a plain dict \(dict\(obj\)\) to split it, or register UserDict with "
+        r"optree.register_pytree_node\(..., namespace='fdp'\); to give every replica all of it, pass it "
+        r"positionally with axis None",
+    ),
+    (
+        "a subclass of dict, list or tuple, or another mapping, holding tensors under an int axis",
+        lambda: (torch.zeros(4, 1), ListOfRows([{"y": torch.zeros(4, 1)}])),
+        lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(*a),
+        TypeError,
+        r"^fdp.DataParallel: inputs\[1\]: a ListOfRows holding tensors, .* Pass a plain list "
+        r"\(list\(obj\)\) to split it, .* hold it on the module instead of passing it \(fdp.DataParallel "
+        r"maps every argument\)$",
     ),
     (
         "a NumPy array (or another library's array) under an int axis",

@@ -435,6 +435,33 @@ def test_a_dataclass_defined_inside_the_step_warns_once_it_has_been_made_many_ti
     step()  # once only
 
 
+def test_a_dict_subclass_is_split_once_registered_and_passes_whole_without_tensors() -> None:
+    # Unregistered and holding tensors, it is refused (tests/test_bad_input.py): optree takes it
+    # for a leaf, which every replica would get whole.
+    class Batch(dict):  # type: ignore[type-arg]
+        pass
+
+    rows = fdp.pmap(lambda d, x: x * d["scale"] if isinstance(d, dict) else x, devices=cpus(2))
+    options = Batch(scale=2, name="run")  # no tensors: every replica gets it, as any object
+    assert rows(options, torch.arange(4.0)).tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert rows(torch.Size([4]), torch.arange(4.0)).tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match=r"\.Batch holding tensors"):
+        rows(Batch(x=torch.arange(4.0)), torch.arange(4.0))
+    optree.register_pytree_node(
+        Batch,
+        lambda d: (tuple(d.values()), tuple(d), tuple(d)),
+        lambda keys, values: Batch(zip(keys, values)),
+        namespace=fdp.NAMESPACE,
+    )
+    try:
+        seen: list[int] = []
+        split = fdp.pmap(lambda d: seen.append(len(d["x"])) or d["x"] * 2, devices=cpus(2))
+        assert split(Batch(x=torch.arange(4.0))).tolist() == [0.0, 2.0, 4.0, 6.0]
+        assert seen == [2, 2]
+    finally:
+        optree.unregister_pytree_node(Batch, namespace=fdp.NAMESPACE)
+
+
 def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
     @dataclasses.dataclass
     class WithDerived:
