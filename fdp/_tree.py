@@ -397,9 +397,11 @@ def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
     dict subclasses; a Hugging Face ``BatchEncoding`` is a ``UserDict``.
     """
     cls = type(leaf)
-    plain = dict if isinstance(leaf, collections.abc.Mapping) else list if isinstance(leaf, list) else tuple
+    plain: type = (
+        dict if isinstance(leaf, collections.abc.Mapping) else list if isinstance(leaf, list) else tuple
+    )
     try:
-        contents = plain(leaf)
+        contents: Any = plain(leaf)
     except Exception:  # noqa: BLE001 - not a container fdp can read: a leaf like any other
         return None
     if not any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(contents, namespace=NAMESPACE)):
