@@ -190,7 +190,9 @@ class Pmapped(Generic[P, R]):
     ) -> Callable[_BoundP, _BoundR]: ...
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        # Lets @fdp.pmap decorate methods: the instance becomes the first (broadcast) argument.
+        # Lets @fdp.pmap decorate methods: the instance becomes the first positional argument,
+        # mapped by in_axes as any other (in_axes=(None, ...) gives every replica all of it; a
+        # dataclass instance holding tensors under an int axis is split, as jax.pmap would).
         if instance is None:
             return self
         return functools.partial(self, instance)
