@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from test_concurrent_calls import THREADS, run_in_threads
 
 from fdp import _tree
 
 
-def test_threads_meeting_a_new_dataclass_all_flatten_it_as_a_container() -> None:
+def test_threads_meeting_a_new_dataclass_all_flatten_it_as_a_container(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # fdp registers a plain dataclass the first time it flattens one. A thread whose flatten
     # ran before another thread's registration must flatten again, not keep the dataclass as a
-    # leaf (replicas packing one for a collective all meet it at once).
+    # leaf (replicas packing one for a collective all meet it at once). (A new class each time,
+    # on purpose: not the mistake that fdp warns about after 100 of one name.)
+    monkeypatch.setattr(_tree, "REDEFINITIONS_WARNED_AT", 10**9)
     for _ in range(100):
 
         @dataclasses.dataclass
