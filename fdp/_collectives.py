@@ -153,7 +153,13 @@ class _Packed:
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):
-                if numbers == "float" and not (leaf.is_floating_point() or leaf.is_complex()):
+                if (
+                    numbers == "float"
+                    and not (leaf.is_floating_point() or leaf.is_complex())
+                    # (refused below with the other reductions': psum, which this one's
+                    # message offers, takes no quantized tensor either)
+                    and not leaf.is_quantized
+                ):
                     raise TypeError(
                         f"{caller} averages floating-point tensors, but {self._path(k)} is "
                         f"{_tree.describe(leaf)}; use fdp.psum for integer counts"

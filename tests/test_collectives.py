@@ -1144,13 +1144,14 @@ def test_sparse_and_nested_leaves_are_refused_by_name(
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("collective", [fdp.psum, fdp.pmax, fdp.pmin])
+@pytest.mark.parametrize("collective", [fdp.psum, fdp.pmean, fdp.pmax, fdp.pmin])
 def test_quantized_tensors_are_refused_by_reductions_on_one_replica_as_on_several(
     n: int, collective: Any
 ) -> None:
     # Several replicas failed in torch's kernel after the exchange, naming neither the collective
     # nor the leaf ("Could not run 'aten::add.out' with arguments from the 'QuantizedCPU'
-    # backend"); one replica handed the value back. Gathering and permuting take them.
+    # backend"); one replica handed the value back. fdp.pmean said "use fdp.psum for integer
+    # counts", which refuses them too. Gathering and permuting take them.
     with warnings.catch_warnings():  # torch deprecates quantized tensors
         warnings.simplefilter("ignore", UserWarning)
         q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)
