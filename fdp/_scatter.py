@@ -169,10 +169,10 @@ def scatter_leaves(
 
 
 def _whole_advice(caller: str) -> str:
-    """How to give every replica all of an argument, for ``caller``'s messages."""
-    if caller.startswith("fdp.DataParallel"):  # no in_axes: every tensor argument is split
-        return "to give every replica all of it, hold it on the module instead of passing it"
-    return "give it axis None to pass it whole to every replica"
+    """How to give every replica all of an argument, for ``caller``'s messages: what the
+    caller can say (fdp.DataParallel has no in_axes, and fdp.pmap's keyword arguments are
+    always split, so "axis None" alone is no advice for either)."""
+    return f"to give every replica all of it, {_tree.whole_advice(caller)}"
 
 
 # Leaves that every replica gets as they are, mapped or not (a step count in resident state),

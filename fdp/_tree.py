@@ -362,7 +362,7 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
             return (
                 f"a {kind} of shape {shape} is not a torch.Tensor, and fdp splits only tensors: "
                 "every replica would get all of it. Convert it with torch.as_tensor to split it; "
-                f"to give every replica all of it, {_whole(caller, old_note=True)}"
+                f"to give every replica all of it, {whole_advice(caller, old_note=True)}"
             )
         if isinstance(leaf, (list, tuple, collections.abc.Mapping)):
             return _unflattened_container_reason(leaf, caller)
@@ -376,7 +376,7 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
     )
 
 
-def _whole(caller: str, *, old_note: bool = False) -> str:
+def whole_advice(caller: str, *, old_note: bool = False) -> str:
     """How to give every replica all of an argument that ``caller`` would split; with
     ``old_note``, that ``nn.DataParallel`` did so."""
     if caller.startswith("fdp.DataParallel"):  # no in_axes: every argument is mapped
@@ -412,7 +412,7 @@ def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
         f"mappings), so every replica would get all of it. Pass a plain {plain.__name__} "
         f"({plain.__name__}(obj)) to split it, or register {cls.__qualname__} with "
         f"optree.register_pytree_node(..., namespace={NAMESPACE!r}); to give every replica all of "
-        f"it, {_whole(caller)}"
+        f"it, {whole_advice(caller)}"
     )
 
 

@@ -366,7 +366,16 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda x, s: x)(*a),
         TypeError,
         r"args\[1\] is a tensor of layout torch.sparse_coo \(type float32\[4,4\]\), which fdp cannot split "
-        r"along axis 0: give it axis None",
+        r"along axis 0: to give every replica all of it, pass it positionally with axis None in in_axes",
+    ),
+    (
+        # A keyword argument is always split: "give it axis None" was advice it cannot take.
+        "a sparse tensor under an int axis",
+        lambda: (torch.zeros(4), torch.eye(4).to_sparse()),
+        lambda a: pm(lambda x, s: x)(a[0], s=a[1]),
+        TypeError,
+        r"kwargs\['s'\] is a tensor of layout torch.sparse_coo .* along axis 0: to give every replica all "
+        r"of it, pass it positionally with axis None in in_axes \(keyword arguments are always split\)",
     ),
     (
         # (DataParallel has no in_axes: "give it axis None" would be no advice there.)
@@ -375,7 +384,8 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(*a),
         TypeError,
         r"^fdp.DataParallel: inputs\[1\] is a tensor of layout torch.sparse_coo .* along axis 0: to "
-        r"give every replica all of it, hold it on the module instead of passing it, or convert",
+        r"give every replica all of it, hold it on the module instead of passing it \(fdp.DataParallel maps "
+        r"every argument\), or convert",
     ),
     (
         "a nested tensor under an int axis",
@@ -383,7 +393,8 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(*a),
         TypeError,
         r"^fdp.DataParallel: inputs\[1\] is a nested tensor .* along axis 0: to give every replica "
-        r"all of it, hold it on the module instead of passing it, or pass its components",
+        r"all of it, hold it on the module instead of passing it \(fdp.DataParallel maps every argument\), "
+        r"or pass its components",
     ),
     (
         # torch's own error read "Internal error: NestedTensorImpl doesn't support sizes. Please
@@ -393,7 +404,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda x, s: x)(*a),
         TypeError,
         r"args\[1\] is a nested tensor \(type float32\[nested tensor of 2 components\]\), which fdp "
-        r"cannot split along axis 0: give it axis None",
+        r"cannot split along axis 0: to give every replica all of it, pass it positionally with axis None",
+    ),
+    (
+        "a nested tensor under an int axis",
+        lambda: (torch.zeros(2), nested([torch.zeros(3), torch.zeros(2)])),
+        lambda a: pm(lambda x, s: x)(a[0], s=a[1]),
+        TypeError,
+        r"kwargs\['s'\] is a nested tensor .* along axis 0: to give every replica all of it, pass it "
+        r"positionally with axis None in in_axes \(keyword arguments are always split\)",
     ),
     (
         # torch's own errors ("reshape is not implemented for sparse tensors", "unsupported memory
