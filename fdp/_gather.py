@@ -411,6 +411,8 @@ def _unmapped(
     chosen = next((r for r, v in enumerate(values) if v.device == destination), 0)
     try:
         result = _transfer.to_device(values[chosen], destination)
+    except torch.OutOfMemoryError:
+        raise  # (a RuntimeError) as it is: callers that shrink the batch on it catch it by type
     except (RuntimeError, NotImplementedError) as err:
         # A meta tensor, say ("Cannot copy out of meta tensor; no data!"): torch's error names
         # neither the call nor the output, as the concatenation's (for int axes) does.

@@ -314,3 +314,18 @@ def test_a_meta_output_is_named_under_out_axes_none_as_under_an_int_axis(n: int)
             f(torch.ones(4))
     with pytest.raises(ValueError, match=r"cannot concatenate output\[1\] along axis 0"):
         fdp.pmap(lambda x: (x, torch.empty(2, 3, device="meta")), devices=["cpu"] * n)(torch.ones(4))
+
+
+def test_running_out_of_memory_moving_an_unmapped_output_stays_an_out_of_memory_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Callers that shrink the batch on torch.OutOfMemoryError (a batch-size finder) must see it
+    # as such: it was turned into a ValueError naming the output, which they do not catch.
+    from fdp import _gather
+
+    def out_of_memory(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(_gather._transfer, "to_device", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        fdp.gather([torch.ones(2), torch.ones(2)], "cpu", out_axes=None)
