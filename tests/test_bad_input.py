@@ -531,7 +531,7 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
     (
         # optree takes it for a leaf: every replica got all of it, each with every row (n times
         # the rows in the output), silently.
-        "a subclass of dict, list or tuple, or another mapping, holding tensors under an int axis",
+        "a subclass of dict, list or tuple, or a UserDict or UserList, holding tensors under an int axis",
         lambda: (torch.zeros(4, 1), collections.UserDict(y=torch.zeros(4, 1))),
         lambda a: pm(lambda x, d: x)(*a),
         TypeError,
@@ -541,7 +541,7 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"positionally with axis None",
     ),
     (
-        "a subclass of dict, list or tuple, or another mapping, holding tensors under an int axis",
+        "a subclass of dict, list or tuple, or a UserDict or UserList, holding tensors under an int axis",
         lambda: (torch.zeros(4, 1), ListOfRows([{"y": torch.zeros(4, 1)}])),
         lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(*a),
         TypeError,

@@ -447,6 +447,10 @@ def test_a_dict_subclass_is_split_once_registered_and_passes_whole_without_tenso
     assert rows(torch.Size([4]), torch.arange(4.0)).tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(TypeError, match=r"\.Batch holding tensors"):
         rows(Batch(x=torch.arange(4.0)), torch.arange(4.0))
+    with pytest.raises(TypeError, match=r"a UserList holding tensors"):
+        rows(collections.UserList([torch.arange(4.0)]), torch.arange(4.0))
+    config = collections.ChainMap({"x": torch.arange(4.0)})  # a Mapping, not a container optree knows
+    assert rows(config, torch.arange(4.0)).tolist() == [0.0, 1.0, 2.0, 3.0]  # passed as any object
     optree.register_pytree_node(
         Batch,
         lambda d: (tuple(d.values()), tuple(d), tuple(d)),
