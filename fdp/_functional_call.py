@@ -54,8 +54,9 @@ class _Skeleton:
         self._pairs: list[tuple[weakref.ref[nn.Module], nn.Module]] = []
         self._copies: dict[int, tuple[weakref.ref[nn.Module], nn.Module]] = {}
         compiled = compiled_module_type()
-        _refuse_value_equal_modules(root)
-        for name, original in root.named_modules():
+        modules = dict(root.named_modules())  # by name, in named_modules' order (one walk)
+        _refuse_value_equal_modules(modules)
+        for name, original in modules.items():
             if isinstance(original, compiled):
                 raise TypeError(
                     f"fdp.functional_call: {'the module' if not name else repr(name)} is a "
@@ -84,7 +85,7 @@ class _Skeleton:
         self.root = self._copies[id(root)][1]
         self.original = self._pairs[0][0]  # the module it copies (named_modules gives it first)
         # Each copy's name in the tree (as named_modules gives it), for messages.
-        self.names = [name for name, _ in root.named_modules()]
+        self.names = list(modules)
         self._copy_list = [copy for _, copy in self._pairs]
         # A module that torch.func.functional_call treats in a way of its own never takes the
         # direct swap (see by_path). (Nor does a scripted module: functional_call hands it to
@@ -854,16 +855,16 @@ def _swap_in(skeleton: _Skeleton, params: Any, tie_weights: bool) -> _Swapped | 
     return swapped
 
 
-def _refuse_value_equal_modules(root: nn.Module) -> None:
+def _refuse_value_equal_modules(distinct: dict[str, nn.Module]) -> None:
     """Refuses a tree in which two distinct submodules compare equal (a module class with
-    ``__eq__`` and ``__hash__`` by value, e.g. ``@dataclass(unsafe_hash=True)``).
+    ``__eq__`` and ``__hash__`` by value, e.g. ``@dataclass(unsafe_hash=True)``); ``distinct``
+    is the tree's ``dict(named_modules())``.
 
     ``named_modules()`` skips modules already seen by looking them up in a set, which finds
     them by ``==``: it yields only the first of the two, and ``named_parameters()``,
     ``state_dict()`` and every copy made from them miss the other's tensors (calls failed
     with a bare ``KeyError: '_modules'``).
     """
-    distinct = dict(root.named_modules())
     seen = {id(module) for module in distinct.values()}
     # (A child that is not among them was skipped as equal to one seen before. Not a second
     # walk with remove_duplicate=False: that one never ends on a module inside itself.)

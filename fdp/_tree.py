@@ -361,7 +361,7 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
         if isinstance(shape, tuple) and shape:
             # Passed whole, each replica would get every row: a JAX habit (jax.pmap splits
             # NumPy arrays) that gives wrong shapes, or a silent broadcast, rather than an error.
-            kind = f"{type(leaf).__module__.partition('.')[0]}.{type(leaf).__qualname__}"
+            kind = f"{cls.__module__.partition('.')[0]}.{cls.__qualname__}"
             return (
                 f"a {kind} of shape {shape} is not a torch.Tensor, and fdp splits only tensors: "
                 "every replica would get all of it. Convert it with torch.as_tensor to split it; "
@@ -411,11 +411,7 @@ def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
     """
     cls = type(leaf)
     plain: type = (
-        dict
-        if isinstance(leaf, (dict, collections.UserDict))
-        else list
-        if not isinstance(leaf, tuple)
-        else tuple
+        dict if isinstance(leaf, (dict, collections.UserDict)) else tuple if isinstance(leaf, tuple) else list
     )
     try:
         contents: Any = plain(leaf)
