@@ -19,7 +19,9 @@ import collections.abc
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -114,8 +116,23 @@ def _count_redefinition(cls: type) -> None:
             "with every call and fdp's caches start over. Define the dataclass once, at module "
             "level.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=_stacklevel_outside_fdp(),
         )
+
+
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _stacklevel_outside_fdp() -> int:
+    """The ``stacklevel`` that makes a warning issued by this function's caller name the first
+    frame outside fdp: the user's line that led to it, not fdp's own. (Python 3.12's
+    ``skip_file_prefixes`` does this; fdp supports 3.11.) 2, the caller's caller, when every
+    frame is fdp's (a worker thread)."""
+    frame: types.FrameType | None = sys._getframe(1)  # the caller, whose warnings.warn counts it as level 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIRECTORY):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _register_dataclass(cls: type) -> None:

@@ -432,6 +432,8 @@ def test_a_dataclass_defined_inside_the_step_warns_once_it_has_been_made_many_ti
     ) as caught:
         assert step().tolist() == [0.0, 2.0, 4.0, 6.0]
     assert "Define the dataclass once, at module level" in str(caught[0].message)
+    # It names the user's line that made the call, not fdp's (where nothing can be changed).
+    assert caught[0].filename == __file__
     step()  # once only
 
 
