@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _collectives, _replica
+from ._compile import eager_under_compile
 
 __all__ = ["SyncBatchNorm"]
 
@@ -144,21 +145,8 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        if batch_statistics and _replica.current() is not None:
+        if batch_statistics and _shares_statistics(self):
             return self._synced(input)
-        if batch_statistics and torch._C._current_graph_task_id() != -1:
-            # In a backward pass, outside any replica: a recomputation (torch.utils.checkpoint
-            # inside the mapped function), whose replicas are gone. As a plain batch norm it would
-            # normalize with the shard's statistics alone, and the gradients would be wrong,
-            # silently (reentrant checkpointing) or with an unclear CheckpointError.
-            raise RuntimeError(
-                "fdp.SyncBatchNorm ran with batch statistics during a backward pass, outside any "
-                "replica: most likely torch.utils.checkpoint inside the mapped function, "
-                "recomputing the layer after the replicas returned, where there is no one to "
-                "share statistics with. Checkpoint around the whole pmapped call instead (its "
-                "recomputation runs the replicas again), or checkpoint only regions without "
-                "the layer. (Outside fdp.pmap, use torch.nn.BatchNorm.)"
-            )
         # Running statistics, or one device's batch: no replica to share with.
         batches = None
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -185,16 +173,6 @@ class SyncBatchNorm(_BatchNorm):
 
     def _synced(self, input: torch.Tensor) -> torch.Tensor:
         """``forward`` with the statistics of every replica's rows, in a mapped function."""
-        try:
-            _collectives._bound(self.axis_name, "fdp.SyncBatchNorm")
-        except NameError as error:
-            # Said here, in the layer's words: the exchange beneath would name fdp.all_gather,
-            # which the user never called (a converted model under fdp.DataParallel, say).
-            raise NameError(
-                f"{error}: the layer normalizes over the replicas of its axis_name, so map the "
-                f"function with fdp.pmap(..., axis_name={self.axis_name!r}), or give "
-                f"fdp.DataParallel(..., axis_name={self.axis_name!r})"
-            ) from None
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"fdp.SyncBatchNorm: expected {self.num_features} channels (dim 1) in an input "
@@ -316,3 +294,56 @@ class SyncBatchNorm(_BatchNorm):
         for name, child in module.named_children():
             converted.add_module(name, cls.convert_sync_batchnorm(child, axis_name))
         return converted
+
+
+def _shares_statistics(layer: SyncBatchNorm) -> bool:
+    """Whether ``layer``, computing batch statistics, shares them with the other replicas of
+    its axis: True in a replica of a call mapped over that axis, False outside any replica (one
+    device's batch). Raises where it cannot do either: a replica mapped over another axis, or a
+    backward pass outside any replica.
+
+    Run eagerly under torch.compile (see the note after the function): dynamo would otherwise
+    trace the read of the thread's replica, and torch 2.11's dynamo fails on it while building
+    the compiled code's guards (``AssertionError: Unexpected type ReplicaContext``). In a
+    replica the graph breaks at the exchange of statistics anyway, next to this.
+    """
+    if _replica.current() is not None:
+        try:
+            _collectives._bound(layer.axis_name, "fdp.SyncBatchNorm")
+        except NameError as error:
+            # Said here, in the layer's words: the exchange beneath would name fdp.all_gather,
+            # which the user never called (a converted model under fdp.DataParallel, say).
+            raise NameError(
+                f"{error}: the layer normalizes over the replicas of its axis_name, so map the "
+                f"function with fdp.pmap(..., axis_name={layer.axis_name!r}), or give "
+                f"fdp.DataParallel(..., axis_name={layer.axis_name!r})"
+            ) from None
+        return True
+    if torch._C._current_graph_task_id() != -1:
+        # In a backward pass, outside any replica: a recomputation (torch.utils.checkpoint
+        # inside the mapped function), whose replicas are gone. As a plain batch norm it would
+        # normalize with the shard's statistics alone, and the gradients would be wrong,
+        # silently (reentrant checkpointing) or with an unclear CheckpointError.
+        raise RuntimeError(
+            "fdp.SyncBatchNorm ran with batch statistics during a backward pass, outside any "
+            "replica: most likely torch.utils.checkpoint inside the mapped function, "
+            "recomputing the layer after the replicas returned, where there is no one to "
+            "share statistics with. Checkpoint around the whole pmapped call instead (its "
+            "recomputation runs the replicas again), or checkpoint only regions without "
+            "the layer. (Outside fdp.pmap, use torch.nn.BatchNorm.)"
+        )
+    return False
+
+
+eager_under_compile(
+    _shares_statistics,
+    why=(
+        "fdp runs fdp.SyncBatchNorm's check of the replica it runs in eagerly, as a graph break: "
+        "in training mode the layer exchanges statistics with the other replicas, which run in "
+        "other threads, and torch.compile cannot trace that. Where the graph may not break "
+        "(fullgraph=True, or a module's forward run by fdp.stateful_call or fdp.functional_call "
+        "in compiled code, which compiles in one piece), call the module outside that code, put "
+        "the layer in eval mode there, or leave that code uncompiled. To compile what the "
+        "replicas of a pmapped call run, use fdp.pmap(fn, compile=True)."
+    ),
+)
