@@ -9,15 +9,17 @@ tensors. The swap then happens in the skeleton, privately.
 Skeletons are cached per module in a small free list (one per concurrent caller, so one per
 replica under ``fdp.pmap``) and refreshed from the original on every checkout: changes made to
 the module between calls (``model.eval()``, a new attribute, a replaced submodule) are always
-seen. Hooks and other attribute values are shared with the original, as in ``nn.DataParallel``,
-but for those that would run or reach a module of the tree itself, the original, with its own
-tensors: a bound method of one (``self.act = self._impl``), a ``functools.partial`` or a closure
-that holds one, a module of the tree held as a plain attribute, and lists, tuples and dicts of
-these. Each skeleton copy gets its own, bound to (or holding) the copies instead (see
-:func:`_rebound`). Attributes that ``forward`` assigns on ``self`` land on the skeleton and are
-dropped. A
-skeleton that something made during the call still holds (activation checkpointing's graph,
-which calls ``forward`` again in backward) is left to it, never reused (see ``_release``).
+seen. Each copy holds the original's hooks in hook dicts of its own (a hook that the call
+registers stays with the call, where ``nn.DataParallel``'s replicas put it in the module's, for
+every replica to run). Other attribute values are shared with the original, as in
+``nn.DataParallel``, but for those that would run or reach a module of the tree itself, the
+original, with its own tensors: a bound method of one (``self.act = self._impl``), a
+``functools.partial`` or a closure that holds one, a module of the tree held as a plain
+attribute, and lists, tuples and dicts of these. Each skeleton copy gets its own, bound to
+(or holding) the copies instead (see :func:`_rebound`). Attributes that ``forward`` assigns on
+``self`` land on the skeleton and are dropped. A skeleton that something made during the call
+still holds (activation checkpointing's graph, which calls ``forward`` again in backward) is
+left to it, never reused (see ``_release``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,12 @@ class _Skeleton:
             if type(original) is not type(copy):
                 return False  # its class was changed (module.__class__ = ...): built anew
             state = original.__dict__.copy()
+            # Hook dicts of its own, holding the original's hooks: a hook that the call
+            # registers (and removes) on the copy stays private to the call, as attributes
+            # assigned on self do. Shared, it landed on the original, ran in the other
+            # replicas' forwards too, and piled up there call after call.
+            for key in _HOOK_KEYS:
+                state[key] = state[key].copy()
             parameters = state["_parameters"] = state["_parameters"].copy()
             buffers = state["_buffers"] = state["_buffers"].copy()
             children = state["_modules"]
@@ -238,6 +246,11 @@ class _Skeleton:
 # nn.Module's own attributes (its hook dicts, its parameter, buffer and submodule dicts,
 # ``training``): every other entry of a module's ``__dict__`` is its class's or its user's.
 _MODULE_KEYS = frozenset(nn.Module().__dict__)
+
+# nn.Module's hook dicts (forward, backward, state-dict ones): each copy gets its own (see refresh).
+_HOOK_KEYS = tuple(
+    key for key, value in nn.Module().__dict__.items() if "hook" in key and isinstance(value, dict)
+)
 
 # Values that reach no module, which a skeleton may keep to compare with (see _Watch).
 _INERT = frozenset(

@@ -312,6 +312,36 @@ def test_parameters_are_visible_inside_forward() -> None:
     assert seen == [2, 2]
 
 
+def test_hooks_that_forward_registers_stay_with_the_replica() -> None:
+    """nn.DataParallel's replicas share the module's hook dicts (pytorch#128272): a hook that a
+    replica registers in forward runs in the other replicas' forwards too, and one registered
+    once (behind a flag set on self, dropped with the replica) piles up on the module."""
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def count(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        with lock:
+            calls.append(output.shape[0])
+
+    class Hooking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.register_forward_pre_hook(lambda module, args: None)  # the module's own: kept
+
+        def forward(self, x):
+            if not hasattr(self, "handle"):
+                self.handle = self.fc.register_forward_hook(count)
+            return self.fc(x)
+
+    net = Hooking()
+    model = fdp.DataParallel(net, device_ids=cpus(2))
+    for _ in range(3):
+        model(torch.randn(4, 2))
+    assert calls == [2] * 6  # once per replica and call, on its own rows
+    assert not net.fc._forward_hooks and len(net._forward_pre_hooks) == 1
+
+
 def test_matches_one_device_for_a_training_step() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
