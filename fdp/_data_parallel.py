@@ -32,6 +32,7 @@ from . import (
     _compile,
     _devices,
     _functional_call,
+    _gather,
     _pmap,
     _scatter,
     _split,
@@ -196,25 +197,31 @@ class DataParallel(nn.Module, Generic[_M]):
         # splitting (and moving) and gathering as on several devices. About a third of a small
         # model's forward on the CPU is spared.
         direct = self._direct if self._direct is not None and _all_on(self.module, self._devices[0]) else None
-        if not (
-            # A tensor among the positional arguments themselves (the usual call) spares the
-            # flatten of every argument.
-            any(isinstance(a, torch.Tensor) for a in inputs)
-            or any(isinstance(leaf, torch.Tensor) for leaf in _tree.flatten((inputs, kwargs))[0])
+        first = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            # No tensor among the positional arguments themselves (the usual call has one,
+            # which spares the flatten of every argument below).
+            tensors = [t for t in _tree.flatten((inputs, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if not tensors:
+                # Nothing to split: nn.DataParallel runs such a call on its first device alone.
+                return self._run_once(direct, inputs, kwargs)
+            first = tensors[0]
+        if (
+            -first.dim() <= self.dim < first.dim()
+            and first.shape[self.dim] == 0
+            and _empty_batch(inputs, kwargs, self.dim)
         ):
-            # Nothing to split: nn.DataParallel runs such a call on its first device alone.
-            if direct is not None:
-                return self.module(*inputs, **kwargs)
-            params, buffers, training = _parameters_and_buffers(self.module)
+            # An empty batch (data-dependent, as a detector's second stage may make): there is
+            # nothing to split, so it runs once on the first device, as the module runs on one
+            # device (nn.DataParallel runs it on every device, each with no rows); its outputs
+            # follow the rules of one replica's (0-dim ones stacked, moved to output_device).
             device = self._devices[0]
-            params = {name: p.to(device) for name, p in params.items()}
-            on_device = {name: b.to(device) for name, b in buffers.items()}
-            outputs, state = _forward_replica(
-                self.module, self.dim, training, params, on_device, inputs, kwargs
+            leaves, spec = _tree.flatten((inputs, kwargs))
+            moved = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            inputs, kwargs = _tree.unflatten(spec, moved)
+            return _gather.gather(
+                [self._run_once(direct, inputs, kwargs)], self.output_device, out_axes=self.dim
             )
-            if state is not None:
-                self._update_buffers(buffers, [state[0]], [1.0])
-            return outputs
         if direct is not None:
             return direct(self.module, inputs, kwargs)
         params, buffers, training = _parameters_and_buffers(self.module)
@@ -224,6 +231,20 @@ class DataParallel(nn.Module, Generic[_M]):
             updated, rows = state
             replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
             self._update_buffers(buffers, replicas, [float(n) for n in rows])
+        return outputs
+
+    def _run_once(self, direct: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module called once, on the first device, with ``inputs`` and ``kwargs`` as they
+        are, for a call with nothing to split; buffers it updates are the module's."""
+        if direct is not None:
+            return self.module(*inputs, **kwargs)
+        params, buffers, training = _parameters_and_buffers(self.module)
+        device = self._devices[0]
+        params = {name: p.to(device) for name, p in params.items()}
+        on_device = {name: b.to(device) for name, b in buffers.items()}
+        outputs, state = _forward_replica(self.module, self.dim, training, params, on_device, inputs, kwargs)
+        if state is not None:
+            self._update_buffers(buffers, [state[0]], [1.0])
         return outputs
 
     def __getstate__(self) -> dict[str, Any]:
@@ -326,6 +347,13 @@ def _data_key(p: torch.Tensor) -> tuple[int, int | None, torch.dtype]:
     """What tells a parameter's placed copies stale: its version counter, and its data's
     address (strided tensors have one) and dtype, which change without it (see ``_place``)."""
     return p._version, p.data_ptr() if p.layout == torch.strided else None, p.dtype
+
+
+def _empty_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> bool:
+    """Whether every tensor argument has no rows along ``dim`` (else the pmapped call checks
+    them: sizes that differ, a rank too small)."""
+    tensors = [t for t in _tree.flatten((inputs, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return all(-t.dim() <= dim < t.dim() and t.shape[dim] == 0 for t in tensors)
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:

@@ -409,6 +409,37 @@ def test_one_device_that_holds_the_module_runs_the_module_itself() -> None:
         model(torch.ones(3, 2), torch.ones(2))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_an_empty_batch_runs_as_on_one_device(n: int) -> None:
+    """A batch with no rows (a detector's data-dependent second stage; pytorch#12013) runs as
+    the module runs on one device, and as nn.DataParallel runs it (each device gets no rows)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x, boxes=None):
+            self.seen += x.shape[0]
+            return {"out": self.fc(x), "boxes": boxes * 2, "total": x.sum(), "kind": "empty"}
+
+    net = Net()
+    reference = copy.deepcopy(net)
+    x = torch.zeros(0, 3, requires_grad=True)
+    out = fdp.DataParallel(net, device_ids=cpus(n))(x, boxes=torch.zeros(0, 4))
+    expected = reference(x, boxes=torch.zeros(0, 4))
+    assert out["out"].shape == (0, 2) and out["boxes"].shape == (0, 4) and out["kind"] == "empty"
+    torch.testing.assert_close(out["total"], torch.zeros(1))  # one replica's 0-dim, stacked
+    out["out"].sum().backward()
+    expected["out"].sum().backward()
+    assert_grads_match(net, reference)
+    with pytest.raises(ValueError, match=r"inconsistent sizes"):
+        fdp.DataParallel(net, device_ids=cpus(n))(torch.zeros(0, 3), boxes=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=r"rank should be at least"):
+        fdp.DataParallel(net, device_ids=cpus(n), dim=1)(torch.zeros(0, 3), boxes=torch.zeros(0))
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_call_without_tensors_runs_once_on_the_first_device(n: int) -> None:
     class Scaled(nn.Module):
