@@ -1278,6 +1278,9 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     caller = "fdp.ppermute"
     context = _bound(axis_name, caller)
     try:
+        # Read once, here: a one-pass iterable (zip(...), a generator, as in JAX #1703) would be
+        # empty for the checks below, which would pass whatever it held.
+        perm = list(perm)
         # operator.index, not int: int() would truncate (0.9, 1) into a send from replica 0.
         pairs = tuple((operator.index(src), operator.index(dst)) for src, dst in perm)
         if any(isinstance(i, bool) for pair in perm for i in pair):  # (False, True) is no pair of replicas

@@ -907,6 +907,19 @@ def test_all_gather_dim_and_ppermute_indices_must_be_ints() -> None:
         per_row(lambda x: fdp.ppermute(x, "i", perm=[(False, True)]), n=2)(rows(2))
 
 
+def test_ppermute_checks_a_one_pass_perm_as_a_list() -> None:
+    # zip(...) and generators are read once (JAX #1703 was a zip read twice): the checks after
+    # the first read found them empty, and passed (False, True) as a send from replica 0 to 1.
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp.ppermute: perm must be a sequence of \(source, destination\) pairs, "
+        r"got \[\(False, True\)\]",
+    ):
+        per_row(lambda x: fdp.ppermute(x, "i", perm=((s, d) for s, d in [(False, True)])), n=2)(rows(2))
+    with pytest.raises(TypeError, match=r"perm must be a sequence of .* got \[\(0, 1, 2\)\]"):
+        per_row(lambda x: fdp.ppermute(x, "i", perm=iter([(0, 1, 2)])), n=2)(rows(2))
+
+
 def test_a_weight_that_requires_grad_is_taken_as_a_number_without_a_warning() -> None:
     # (warnings are errors here: torch warns when a tensor that requires grad becomes a float)
     w = torch.tensor(2.0, requires_grad=True)
