@@ -489,18 +489,48 @@ class Pmapped(Generic[P, R]):
                     else root,
                 )
             except ValueError as err:
-                keywords = parts[-1]
-                if root == "args" and keywords and isinstance(spec, tuple) and len(spec) > len(part):
-                    # An argument meant for an in_axes entry was passed by keyword (as in
-                    # jax.pmap, in_axes covers the positional arguments only).
-                    raise ValueError(
-                        f"{err.args[0]}\nKeyword arguments {sorted(keywords)} are not covered by "
-                        "in_axes (they are mapped along dim 0): pass the arguments that in_axes "
-                        "describes positionally."
-                    ) from None
+                hint = self._in_axes_hint(spec, part, parts[-1]) if root == "args" else None
+                if hint is not None:
+                    raise ValueError(f"{err.args[0]}\n{hint}") from None
                 raise
             axes.extend(part_axes)
         return _Plan(axes)
+
+    def _in_axes_hint(self, spec: Any, args: tuple[Any, ...], keywords: dict[str, Any] | None) -> str | None:
+        """What the user likely meant by an ``in_axes`` that is no prefix of the positional
+        arguments, where it can be told (the mistakes of jax.pmap's issues #6302 and #26950)."""
+        if keywords and isinstance(spec, tuple) and len(spec) > len(args):
+            # An argument meant for an in_axes entry was passed by keyword (as in jax.pmap,
+            # in_axes covers the positional arguments only).
+            return (
+                f"Keyword arguments {sorted(keywords)} are not covered by in_axes (they are mapped "
+                "along dim 0): pass the arguments that in_axes describes positionally."
+            )
+        static = {i + len(args) if i < 0 else i for i in self.static_argnums}
+        if static and isinstance(spec, tuple) and len(spec) == len(args) - len(static):
+            # One entry per argument but the static ones: as in jax.pmap, they have entries too.
+            entries = iter(spec)
+            full = tuple(_axes.BROADCAST if k in static else next(entries) for k in range(len(args)))
+            return (
+                "in_axes has an entry for every positional argument, the static ones included "
+                f"(static_argnums={self.static_argnums!r}; their entries are not used), as in "
+                f"jax.pmap: in_axes={full!r}"
+            )
+        if len(args) == 1 and not isinstance(spec, int) and spec is not _axes.BROADCAST:
+            # One argument's specification, not wrapped in the tuple of the positional
+            # arguments (a dict for a dict argument; a tuple for a tuple; a top-level list,
+            # which in_axes reads as that tuple, for a list).
+            candidates = [(spec,), *([(list(spec),)] if isinstance(spec, tuple) else [])]
+            for candidate in candidates:
+                try:
+                    _axes.leaf_axes(candidate, args, what="in_axes", tree_name="", caller="")
+                except ValueError:
+                    continue
+                return (
+                    "in_axes describes the tuple of positional arguments, as in jax.pmap: for "
+                    f"one argument, wrap its specification in a tuple: in_axes={candidate!r}"
+                )
+        return None
 
     def _call_replica(self, tree: tuple[Any, ...], statics: dict[int, Any]) -> Any:
         args, kwargs = tree[-2], tree[-1] or {}

@@ -156,6 +156,34 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"(?s)in_axes\[0\].*missing key\(s\)",
     ),
     (
+        # jax.pmap's issue #6302: static arguments have in_axes entries too
+        "in_axes without entries for the static arguments",
+        lambda: (torch.zeros(4), torch.zeros(()), torch.zeros(4)),
+        lambda a: pm(lambda x, w, k, y: x * w * k + y, static_argnums=2, in_axes=(0, None, 0))(
+            a[0], a[1], 3, a[2]
+        ),
+        ValueError,
+        r"(?s)\(4 given\).*in_axes has an entry for every positional argument, the static ones included "
+        r"\(static_argnums=\(2,\); their entries are not used\), as in jax.pmap: "
+        r"in_axes=\(0, None, None, 0\)$",
+    ),
+    (
+        # jax.pmap's issue #26950: a specification for the one argument, not the tuple of them
+        "one argument's in_axes not wrapped in a tuple",
+        lambda: ({"a": torch.tensor(2.0), "b": torch.zeros(4)},),
+        lambda a: pm(lambda d: d["a"] * d["b"], in_axes={"a": None, "b": 0})(*a),
+        ValueError,
+        r"(?s)\(1 given\).*in_axes describes the tuple of positional arguments, as in jax.pmap: for one "
+        r"argument, wrap its specification in a tuple: in_axes=\(\{'a': None, 'b': 0\},\)$",
+    ),
+    (
+        "one argument's in_axes not wrapped in a tuple",  # a list, which in_axes reads as the tuple
+        lambda: ([torch.tensor(2.0), torch.zeros(4)],),
+        lambda a: pm(lambda pair: pair[0] * pair[1], in_axes=[None, 0])(*a),
+        ValueError,
+        r"wrap its specification in a tuple: in_axes=\(\[None, 0\],\)$",
+    ),
+    (
         "out_axes longer than the output",
         lambda: (torch.zeros(4),),
         lambda a: pm(lambda x: (x, x), out_axes=(0, 0, 0))(*a),
