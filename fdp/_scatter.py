@@ -79,10 +79,12 @@ def scatter_leaves(
             continue
         ndim = leaf.dim()
         if not -ndim <= axis < ndim:
+            path = paths()[k]
             raise ValueError(
-                f"{caller} was asked to map {paths()[k]} of type {_tree.describe(leaf)} along "
+                f"{caller} was asked to map {path} of type {_tree.describe(leaf)} along "
                 f"axis {axis}, so its rank should be at least "
                 f"{axis + 1 if axis >= 0 else -axis}, but it is only {ndim}"
+                + (f"; {_keyword_advice([path])}" if _is_keyword(caller, path) else "")
             )
         dim = axis % ndim
         try:
@@ -438,6 +440,21 @@ def _resident_message(
     )
 
 
+def _is_keyword(caller: str, path: str) -> bool:
+    """Whether ``path`` is in a keyword argument of a pmapped function (which fdp.pmap maps
+    along dim 0 whatever in_axes says; fdp.DataParallel maps every argument alike)."""
+    return caller.startswith("fdp.pmap") and path.startswith("kwargs")
+
+
+def _keyword_advice(paths: list[str]) -> str:
+    """Why a keyword argument was mapped, and how not to (jax.pmap's issue #10465: a table
+    passed by keyword gave a size error that did not say so)."""
+    return (
+        f"keyword arguments (here {', '.join(paths)}) are always mapped along dim 0, as in "
+        "jax.pmap: to give every replica all of one, pass it positionally with axis None in in_axes"
+    )
+
+
 def _inconsistent_sizes_message(
     leaves: Sequence[Any],
     mapped: list[tuple[int, int]],
@@ -464,6 +481,10 @@ def _inconsistent_sizes_message(
         else:
             lines.append(f"  * some axes ({count} of them) had size {size}, e.g. {where(*members[0])};")
     lines[-1] = lines[-1].rstrip(";")
+    keywords = [paths[members[0][0]] for _, members in groups if _is_keyword(caller, paths[members[0][0]])]
+    if keywords:
+        advice = _keyword_advice(keywords)
+        lines.append(advice[0].upper() + advice[1:])
     return "\n".join(lines)
 
 

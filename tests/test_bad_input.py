@@ -142,6 +142,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"(?s)inconsistent sizes .*axis 0 of args\[1\]\['y'\] of type float32\[3\]",
     ),
     (
+        "mismatched sizes",  # a table passed by keyword: mapped all the same (jax.pmap's #10465)
+        lambda: (torch.zeros(4), torch.zeros(10, 3)),
+        lambda a: pm(lambda x, table: x)(a[0], table=a[1]),
+        ValueError,
+        r"(?s)axis 0 of kwargs\['table'\] of type float32\[10,3\]\nKeyword arguments \(here "
+        r"kwargs\['table'\]\) are always mapped along dim 0, as in jax.pmap: to give every replica all of "
+        r"one, pass it positionally with axis None in in_axes$",
+    ),
+    (
         "in_axes longer than the arguments",
         lambda: (torch.zeros(4),),
         lambda a: pm(lambda x: x, in_axes=(0, 0))(*a),
@@ -196,6 +205,16 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda x: x, in_axes=1)(*a),
         ValueError,
         r"map args\[0\] of type float32\[4\] along axis 1, so its rank should be at least 2",
+    ),
+    (
+        "rank too small",  # a 0-dim tensor passed by keyword: mapped all the same
+        lambda: (torch.zeros(4), torch.tensor(0.5)),
+        lambda a: pm(lambda x, temperature: x / temperature)(a[0], temperature=a[1]),
+        ValueError,
+        r"map kwargs\['temperature'\] of type float32\[\] along axis 0, so its rank should be at least 1, "
+        r"but it is only 0; keyword arguments \(here kwargs\['temperature'\]\) are always mapped along "
+        r"dim 0, as in jax.pmap: to give every replica all of one, pass it positionally with axis None in "
+        r"in_axes$",
     ),
     (
         "empty batch",
