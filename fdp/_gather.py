@@ -72,11 +72,12 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 class OutputPlan:
     """Per-leaf out axes for one output structure (cached by ``fdp.pmap``)."""
 
-    __slots__ = ("treespec", "axes", "all_zero", "all_none", "all_per_replica")
+    __slots__ = ("treespec", "axes", "all_zero", "all_none", "all_per_replica", "packed")
 
-    def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any]) -> None:
+    def __init__(self, treespec: optree.PyTreeSpec, axes: list[Any], packed: str | None = None) -> None:
         self.treespec = treespec
         self.axes = axes
+        self.packed = packed  # the key path of a PackedSequence under an int axis, if any
         self.all_zero = _axes.all_zero(axes)
         self.all_none = all(a is _axes.BROADCAST for a in axes)
         self.all_per_replica = bool(axes) and all(a is _state.PER_REPLICA for a in axes)
@@ -136,6 +137,13 @@ def gather_outputs(
                 structure=structure,
                 rename=rename,
             )
+    if not lone and plan.packed is not None:
+        # Joined field by field, the replicas' PackedSequences make a corrupt one: its
+        # batch_sizes no longer describe its data, and pad_packed_sequence on it wrote out of
+        # bounds (torch 2.13 on CPU: the process aborted with "free(): invalid size").
+        raise TypeError(
+            _packed_sequence_message(caller, plan.packed if rename is None else rename(plan.packed))
+        )
     flat = [(leaves, treespec)]
     if not lone:
         types = list(map(type, leaves))
@@ -169,6 +177,23 @@ def gather_outputs(
     return _tree.unflatten(treespec, joined)
 
 
+def _packed_sequence_message(caller: str, path: str) -> str:
+    """Why the replicas' PackedSequences cannot be joined, and what to return instead."""
+    keep = (
+        ""
+        if caller.startswith("fdp.DataParallel")  # no out_axes to choose
+        else "; or give it out_axes fdp.PER_REPLICA to keep each replica's"
+    )
+    return (
+        f"{caller}: {path} is a torch.nn.utils.rnn.PackedSequence, which fdp cannot concatenate "
+        "over the replicas: each replica's interleaves its own sequences' time steps, and joined "
+        "field by field they make no PackedSequence of the batch. Return the padded output "
+        "instead, torch.nn.utils.rnn.pad_packed_sequence(output, batch_first=..., "
+        "total_length=T)[0] with T the padded length of the input, so that every replica's has "
+        f"the same length{keep}"
+    )
+
+
 def _flat_output(
     output: Any,
     out_axes: Any,
@@ -188,7 +213,9 @@ def _flat_output(
         plan = plans.get(treespec) if plans is not None else None
         if plan is None:
             axes = _axes.leaf_axes(out_axes, output, what="out_axes", tree_name="the output", caller=caller)
-            plan = OutputPlan(treespec, axes)
+            plan = OutputPlan(
+                treespec, axes, _tree.packed_sequence_path((output,), ("output",), axes, treespec)
+            )
             if plans is not None:
                 plans[treespec] = plan
         if structure is not None:

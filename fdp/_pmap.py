@@ -35,13 +35,15 @@ _ModuleParams = dict[str, Any] | Sequence[dict[str, Any]]
 
 
 class _Plan:
-    """What one input structure needs: the axis of every leaf."""
+    """What one input structure needs: the axis of every leaf, and the key path of a
+    PackedSequence that it would split (which several replicas refuse), if any."""
 
-    __slots__ = ("axes", "all_zero")
+    __slots__ = ("axes", "all_zero", "packed")
 
-    def __init__(self, axes: list[Any]) -> None:
+    def __init__(self, axes: list[Any], packed: str | None = None) -> None:
         self.axes = axes
         self.all_zero = _axes.all_zero(axes)
+        self.packed = packed
 
 
 class Pmapped(Generic[P, R]):
@@ -323,7 +325,7 @@ class Pmapped(Generic[P, R]):
         if plan is None:  # a structure other than the last call's
             plan = self._plans.get(treespec)
             if plan is None:
-                plan = self._plans[treespec] = self._make_plan(parts, roots)
+                plan = self._plans[treespec] = self._make_plan(parts, roots, treespec)
             self._inputs.keep(treespec, plan)
         return leaves, treespec, plan, exact
 
@@ -342,6 +344,11 @@ class Pmapped(Generic[P, R]):
         caller = self._caller
         _pool.ensure_not_in_replica(caller)  # before any copy to a device
         try:
+            if plan.packed is not None:
+                # Split field by field, a PackedSequence gives every replica garbage, or fails
+                # with "inconsistent sizes" that names its fields, not what to do instead. (On
+                # one device too, as the sizes would: code tried there fails as on several.)
+                raise TypeError(_scatter.packed_sequence_message(caller, plan.packed))
             scattered = _scatter.scatter_leaves(
                 leaves,
                 plan.axes,
@@ -465,7 +472,9 @@ class Pmapped(Generic[P, R]):
             return (head[0], args, keywords), ("params", "args", "kwargs"), statics
         return (args, keywords), ("args", "kwargs"), statics
 
-    def _make_plan(self, parts: tuple[Any, ...], roots: tuple[str, ...]) -> _Plan:
+    def _make_plan(
+        self, parts: tuple[Any, ...], roots: tuple[str, ...], treespec: optree.PyTreeSpec
+    ) -> _Plan:
         in_axes = self.in_axes
         args = parts[-2]
         if isinstance(in_axes, tuple) and len(in_axes) == len(args) and self.static_argnums:
@@ -494,7 +503,10 @@ class Pmapped(Generic[P, R]):
                     raise ValueError(f"{err.args[0]}\n{hint}") from None
                 raise
             axes.extend(part_axes)
-        return _Plan(axes)
+        packed = _tree.packed_sequence_path(parts, roots, axes, treespec)
+        if packed is not None and self.rename_paths is not None:
+            packed = self.rename_paths(packed)
+        return _Plan(axes, packed)
 
     def _in_axes_hint(self, spec: Any, args: tuple[Any, ...], keywords: dict[str, Any] | None) -> str | None:
         """What the user likely meant by an ``in_axes`` that is no prefix of the positional

@@ -16,7 +16,14 @@ import torch
 
 from . import _axes, _devices, _split, _state, _transfer, _tree
 
-__all__ = ["scatter", "replicate", "scatter_leaves", "Scattered", "one_replica_row"]
+__all__ = [
+    "scatter",
+    "replicate",
+    "scatter_leaves",
+    "Scattered",
+    "one_replica_row",
+    "packed_sequence_message",
+]
 
 T = TypeVar("T")
 
@@ -175,6 +182,21 @@ def _whole_advice(caller: str) -> str:
     caller can say (fdp.DataParallel has no in_axes, and fdp.pmap's keyword arguments are
     always split, so "axis None" alone is no advice for either)."""
     return f"to give every replica all of it, {_tree.whole_advice(caller)}"
+
+
+def packed_sequence_message(caller: str, path: str) -> str:
+    """Why a PackedSequence cannot be split over the replicas, and what to pass instead."""
+    return (
+        f"{caller}: {path} is a torch.nn.utils.rnn.PackedSequence, which fdp cannot split over "
+        "the replicas: its data holds the time steps of all the sequences interleaved "
+        "(batch_sizes[t] rows for step t), so its rows do not divide by sequence, and its fields "
+        "have different lengths (nn.DataParallel cannot split one either). Pass the padded "
+        "batch and the lengths instead (torch.nn.utils.rnn.pad_packed_sequence(packed) gives "
+        "both), and pack each replica's share inside "
+        f"{'forward' if caller.startswith('fdp.DataParallel') else 'the mapped function'} with "
+        "pack_padded_sequence(x, lengths, enforce_sorted=False); to give every replica all of "
+        f"it, {_tree.whole_advice(caller)}"
+    )
 
 
 # Leaves that every replica gets as they are, mapped or not (a step count in resident state),
@@ -534,6 +556,8 @@ def scatter(
     spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=not isinstance(tree, list))
     leaves, treespec = _tree.flatten(tree)
     axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree", caller=caller)
+    if packed := _tree.packed_sequence_path((tree,), ("tree",), axes, treespec):
+        raise TypeError(packed_sequence_message(caller, packed))
     result = scatter_leaves(
         leaves,
         axes,

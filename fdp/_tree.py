@@ -717,6 +717,36 @@ def flatten_with_paths(tree: Any, root: str) -> tuple[list[str], list[Any], optr
     return [accessor.codify(root) for accessor in accessors], leaves, spec
 
 
+def packed_sequence_path(
+    parts: Sequence[Any], roots: Sequence[str], axes: Sequence[Any], spec: optree.PyTreeSpec
+) -> str | None:
+    """The key path of the first ``PackedSequence`` in the trees ``parts`` (named ``roots`` in
+    messages, flattened together into ``spec``) that holds a leaf with an int axis in ``axes``
+    (one per leaf, in flattening order); None if there is none.
+
+    optree flattens a PackedSequence as the namedtuple it is, into tensors of three different
+    lengths: its ``data`` holds every sequence's time steps interleaved (``batch_sizes[t]``
+    rows for step ``t``), so no split of its fields by rows, nor a concatenation of the
+    replicas' fields, is a PackedSequence of some of the sequences. Looked for once per
+    structure (the callers cache the answer), and only walked when the structure has one.
+    """
+    packed = torch.nn.utils.rnn.PackedSequence
+    if not any(isinstance(t, type) and issubclass(t, packed) for t, _ in _nodes(spec)):
+        return None
+    k = 0
+    for part, root in zip(parts, roots):
+        accessors, _, _ = optree.tree_flatten_with_accessor(part, is_leaf=is_leaf(), namespace=NAMESPACE)
+        for accessor in accessors:
+            axis = axes[k]
+            k += 1
+            if type(axis) is not int:  # axis None (whole to every replica) or PER_REPLICA
+                continue
+            for depth, entry in enumerate(accessor):
+                if isinstance(entry.type, type) and issubclass(entry.type, packed):
+                    return accessor[:depth].codify(root)
+    return None
+
+
 def describe(value: object) -> str:
     """A short description for error messages: ``float32[8,4]`` for tensors, else the type."""
     if isinstance(value, torch.Tensor):

@@ -32,6 +32,11 @@ def quantized(t: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_tensor(t, 0.1, 0, torch.quint8)
 
 
+def packed_sequence(*lengths: int, enforce_sorted: bool = False) -> nn.utils.rnn.PackedSequence:
+    """A PackedSequence of sequences of these lengths, of 2 features each."""
+    return nn.utils.rnn.pack_sequence([torch.ones(n, 2) for n in lengths], enforce_sorted=enforce_sorted)
+
+
 def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:
     return fdp.pmap(fn, devices=options.pop("devices", cpus(2)), **options)
 
@@ -460,6 +465,47 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"kwargs\['s'\] is a nested tensor .* along axis 0: to give every replica all of it, pass it "
         r"positionally with axis None in in_axes \(keyword arguments are always split\)",
+    ),
+    (
+        # Split field by field, its fields' lengths disagreed: "inconsistent sizes" naming
+        # args[1].data and args[1].batch_sizes, with nothing said of what to pass instead.
+        "a PackedSequence under an int axis",
+        lambda: (packed_sequence(3, 2, 4),),
+        lambda a: pm(lambda p: p.data.sum())(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): args\[0\] is a torch.nn.utils.rnn.PackedSequence, which fdp cannot "
+        r"split over the replicas: .* Pass the padded batch and the lengths instead .*"
+        r"pack_padded_sequence\(x, lengths, enforce_sorted=False\); to give every replica all of it, "
+        r"pass it positionally with axis None",
+    ),
+    (
+        # One sequence: sorted_indices is None, and data and batch_sizes are as long as the
+        # sequence. Split silently into two half sequences, each run as a sequence of its own.
+        "a PackedSequence under an int axis",
+        lambda: (packed_sequence(4, enforce_sorted=True),),
+        lambda a: fdp.DataParallel(nn.LSTM(2, 3), device_ids=cpus(2))(*a),
+        TypeError,
+        r"^fdp.DataParallel: inputs\[0\] is a torch.nn.utils.rnn.PackedSequence, .* pack each "
+        r"replica's share inside forward with pack_padded_sequence",
+    ),
+    (
+        "a PackedSequence under an int axis",
+        lambda: ({"p": packed_sequence(4)},),
+        lambda a: fdp.scatter(a[0], cpus(3)),
+        TypeError,
+        r"^fdp.scatter: tree\['p'\] is a torch.nn.utils.rnn.PackedSequence, .* give it axis None",
+    ),
+    (
+        # Concatenated field by field: a corrupt PackedSequence, which pad_packed_sequence read
+        # out of bounds (the process aborted).
+        "a PackedSequence output under an int out_axes",
+        lambda: (torch.zeros(3, 4, 2), torch.tensor([4, 2, 3])),
+        lambda a: pm(lambda x, n: {"h": nn.utils.rnn.pack_padded_sequence(x, n, True, False)})(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): output\['h'\] is a torch.nn.utils.rnn.PackedSequence, which fdp "
+        r"cannot concatenate over the replicas: .* Return the padded output instead, "
+        r"torch.nn.utils.rnn.pad_packed_sequence\(output, batch_first=..., total_length=T\)\[0\] .*; "
+        r"or give it out_axes fdp.PER_REPLICA",
     ),
     (
         # torch's own errors ("reshape is not implemented for sparse tensors", "unsupported memory

@@ -68,6 +68,50 @@ def test_lstm_batch_first(devices: list[str]) -> None:
     check_against_one_device(lstm, lambda: torch.randn(11, 5, 4), devices, out_axes=(0, 1))
 
 
+class PackedEncoder(nn.Module):
+    """What docs/errors.md tells users of PackedSequence to write: padded tokens and lengths in,
+    packed inside forward, padded back to the input's length (so the replicas' outputs join)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, padding_idx=0)
+        self.rnn = nn.LSTM(4, 6, batch_first=True, bidirectional=True)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(tokens), lengths, True, enforce_sorted=False)
+        out, (h, _) = self.rnn(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
+        return padded, h  # h is (directions, B, H): its batch is axis 1
+
+
+def test_packed_lstm_from_padded_batch_and_lengths(devices: list[str]) -> None:
+    torch.manual_seed(0)
+    net = PackedEncoder()
+    lengths = torch.tensor([5, 2, 7, 1, 3, 6, 4])  # the longest is shorter than the padding
+    tokens = torch.randint(1, 20, (7, 8)) * (torch.arange(8) < lengths[:, None])
+    out = fdp.pmap(net, out_axes=(0, 1), devices=devices)({}, tokens, lengths)
+    scalar_loss(out).backward()
+    grads = {k: p.grad.clone() for k, p in net.named_parameters()}
+    net.zero_grad()
+    expected = net(tokens, lengths)
+    scalar_loss(expected).backward()
+    assert_trees_close(out, expected, atol=1e-5, rtol=1e-4)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_sequence_passes_whole_under_axis_none() -> None:
+    lstm = nn.LSTM(2, 3)
+    packed = nn.utils.rnn.pack_sequence([torch.randn(n, 2) for n in (3, 1, 2)], enforce_sorted=False)
+    expected = lstm(packed)[1][0]
+    both = fdp.pmap(lambda x, p: x + lstm(p)[1][0], in_axes=(0, None), out_axes=None, devices=cpus(2))
+    torch.testing.assert_close(both(torch.zeros(2), packed), expected)
+    # A lone replica's output is returned as it is: a PackedSequence, which it need not join.
+    out = fdp.pmap(lambda x, p: lstm(p)[0], in_axes=(0, None), devices=cpus(1))(torch.zeros(2), packed)
+    assert isinstance(out, nn.utils.rnn.PackedSequence)
+    torch.testing.assert_close(out.data, lstm(packed)[0].data)
+
+
 def test_transformer_encoder_layer(devices: list[str]) -> None:
     layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
     check_against_one_device(layer, lambda: torch.randn(9, 7, 16), devices)
