@@ -384,16 +384,9 @@ def unsplittable_reason(leaf: Any, caller: str = "fdp.pmap") -> str | None:
                 "every replica would get all of it. Convert it with torch.as_tensor to split it; "
                 f"to give every replica all of it, {whole_advice(caller, old_note=True)}"
             )
-        # (UserDict and UserList looked for in the MRO: isinstance goes through the ABC
-        # machinery for them, ~0.4 µs each for every object passed.)
-        mro = cls.__mro__
-        if (
-            isinstance(leaf, (dict, list, tuple))
-            or collections.UserDict in mro
-            or collections.UserList in mro
-        ):
-            return _unflattened_container_reason(leaf, caller)
-        return None
+        # (UserDict and UserList looked for in the MRO by _unflattened_container: isinstance
+        # goes through the ABC machinery for them, ~0.4 µs each for every object passed.)
+        return _unflattened_container_reason(leaf, caller)
     if not any(isinstance(getattr(leaf, f.name, None), torch.Tensor) for f in dataclasses.fields(leaf)):
         return None
     return (
@@ -414,19 +407,24 @@ def whole_advice(caller: str, *, old_note: bool = False) -> str:
     return "pass it positionally with axis None in in_axes (keyword arguments are always split)"
 
 
-def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
-    """Why a leaf that is a container optree does not flatten (a subclass of dict, list or
-    tuple, a ``collections.UserDict`` or ``UserList``), if it holds tensors, cannot be split.
+def _unflattened_container(leaf: Any) -> type | None:
+    """The plain type (dict, list or tuple) of a leaf that is a container optree does not
+    flatten (a subclass of dict, list or tuple, a ``collections.UserDict`` or ``UserList``) and
+    holds tensors; None for any other leaf.
 
     optree flattens the container types registered with it, and no subclass of them (but
-    namedtuples): such a container is one leaf, which every replica would get whole, each
-    with all the rows (n times the rows in the output, silently). ``nn.DataParallel`` split
-    dict subclasses; a Hugging Face ``BatchEncoding`` is a ``UserDict``. (Its contents are
-    looked at one level deep, as optree flattens them: a tensor inside another such container
-    in it is not seen. Not every Mapping: a config object, such as omegaconf's DictConfig or
-    os.environ, would be read, and its values resolved, on every call.)
+    namedtuples): such a container is one leaf, whose tensors fdp neither splits nor joins.
+    ``nn.DataParallel`` split dict subclasses; a Hugging Face ``BatchEncoding`` is a
+    ``UserDict``. (Its contents are looked at one level deep, as optree flattens them: a tensor
+    inside another such container in it is not seen. Not every Mapping: a config object, such
+    as omegaconf's DictConfig or os.environ, would be read, and its values resolved, on every
+    call.)
     """
-    cls = type(leaf)
+    mro = type(leaf).__mro__
+    if not (
+        isinstance(leaf, (dict, list, tuple)) or collections.UserDict in mro or collections.UserList in mro
+    ):
+        return None
     plain: type = (
         dict if isinstance(leaf, (dict, collections.UserDict)) else tuple if isinstance(leaf, tuple) else list
     )
@@ -436,13 +434,46 @@ def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
         return None
     if not any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(contents, namespace=NAMESPACE)):
         return None
+    return plain
+
+
+# Why optree leaves such a container whole, for the messages about one.
+_NOT_FLATTENED = (
+    "a container of a type that fdp does not flatten (optree flattens the container types "
+    "registered with it, not their subclasses nor UserDict and UserList)"
+)
+
+
+def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
+    """Why a leaf that is a container optree does not flatten, if it holds tensors, cannot be
+    split: every replica would get it whole, each with all the rows (n times the rows in the
+    output, silently)."""
+    plain = _unflattened_container(leaf)
+    if plain is None:
+        return None
+    name = type(leaf).__qualname__
     return (
-        f"a {cls.__qualname__} holding tensors, a container of a type that fdp does not flatten "
-        "(optree flattens the container types registered with it, not their subclasses nor "
-        f"UserDict and UserList), so every replica would get all of it. Pass a plain {plain.__name__} "
-        f"({plain.__name__}(obj)) to split it, or register {cls.__qualname__} with "
+        f"a {name} holding tensors, {_NOT_FLATTENED}, so every replica would get all of it. Pass a "
+        f"plain {plain.__name__} ({plain.__name__}(obj)) to split it, or register {name} with "
         f"optree.register_pytree_node(..., namespace={NAMESPACE!r}); to give every replica all of "
         f"it, {whole_advice(caller)}"
+    )
+
+
+def unjoinable_reason(leaf: Any) -> str | None:
+    """Why replicas' outputs like ``leaf`` (one replica's) cannot be joined, when it is a
+    container optree does not flatten that holds tensors: fdp would compare the replicas'
+    containers as values (a tensor's == has no truth value, so they never agree, and the
+    error would speak of "different non-tensor values"), or, where == happened to hold,
+    return one replica's tensors for the whole batch."""
+    plain = _unflattened_container(leaf)
+    if plain is None:
+        return None
+    name = type(leaf).__qualname__
+    return (
+        f"the replicas returned a {name} holding tensors, {_NOT_FLATTENED}, so fdp cannot join the "
+        f"tensors in it. Return a plain {plain.__name__} ({plain.__name__}(obj)), or register {name} "
+        f"with optree.register_pytree_node(..., namespace={NAMESPACE!r})"
     )
 
 

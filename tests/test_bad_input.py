@@ -643,6 +643,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"maps every argument\)$",
     ),
     (
+        # Compared as values: "different non-tensor values ... return a tensor", printing them.
+        "a subclass of dict, list or tuple, or a UserDict or UserList, holding tensors under an int axis",
+        lambda: (torch.zeros(4, 1),),
+        lambda a: pm(lambda x: collections.UserDict(y=x))(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): output: the replicas returned a UserDict holding tensors, a container "
+        r"of a type that fdp does not flatten .* Return a plain dict \(dict\(obj\)\)",
+    ),
+    (
         "a NumPy array (or another library's array) under an int axis",
         lambda: (torch.zeros(4, 1), np.zeros((4, 1))),
         lambda a: pm(lambda x, y: x)(*a),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cmath
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -152,6 +153,39 @@ def test_non_tensor_outputs_whose_equality_raises_are_not_provably_equal() -> No
 
     with pytest.raises(ValueError, match=r"different non-tensor values at output\[1\]: replica 0 returned"):
         fdp.gather([(torch.ones(1), Ambiguous()), (torch.ones(1), Ambiguous())], "cpu")
+
+
+class Encoding(collections.UserDict):  # a Hugging Face BatchEncoding is a UserDict
+    pass
+
+
+class Rows(dict):
+    pass
+
+
+@pytest.mark.parametrize("make", [Encoding, Rows], ids=["UserDict", "dict subclass"])
+def test_containers_that_fdp_does_not_flatten_holding_tensors_are_refused_as_outputs(
+    make: Callable[..., object],
+) -> None:
+    # optree leaves them whole: fdp compared the replicas' containers as values. Equal values
+    # (one-element tensors that agree) made it return replica 0's tensors for the whole batch;
+    # others gave "different non-tensor values ... return a tensor", printing every tensor.
+    for second in (torch.ones(1), torch.zeros(1)):
+        with pytest.raises(
+            TypeError,
+            match=rf"^fdp.gather: output\[1\]: the replicas returned a {make.__name__} holding tensors, a "
+            r"container of a type that fdp does not flatten .* Return a plain dict \(dict\(obj\)\), or "
+            rf"register {make.__name__} with optree.register_pytree_node\(..., namespace='fdp'\)$",
+        ):
+            fdp.gather([(torch.ones(1), make(a=torch.ones(1))), (torch.ones(1), make(a=second))], "cpu")
+    for n in (2, 3):
+        with pytest.raises(TypeError, match=rf"output: the replicas returned a {make.__name__} holding"):
+            fdp.pmap(lambda x: make(a=x), devices=["cpu"] * n)(torch.zeros(4, 2))
+    # One object that every replica returns is returned as it is, as other equal values are.
+    shared = make(a=torch.ones(1))
+    assert fdp.gather([(torch.ones(1), shared), (torch.ones(1), shared)], "cpu")[1] is shared
+    # Without tensors it is a value like any other.
+    assert fdp.gather([(torch.ones(1), make(a=1)), (torch.ones(1), make(a=1))], "cpu")[1] == {"a": 1}
 
 
 def test_checked_unmapped_integer_outputs_that_differ_are_refused() -> None:
