@@ -201,13 +201,17 @@ class DataParallel(nn.Module, Generic[_M]):
         if first is None:
             # No tensor among the positional arguments themselves (the usual call has one,
             # which spares the flatten of every argument below).
-            tensors = [t for t in _tree.flatten((inputs, kwargs))[0] if isinstance(t, torch.Tensor)]
-            if not tensors:
-                # Nothing to split: nn.DataParallel runs such a call on its first device alone.
+            leaves = _tree.flatten((inputs, kwargs))[0]
+            first = next((t for t in leaves if isinstance(t, torch.Tensor)), None)
+            # Nothing to split: nn.DataParallel runs such a call on its first device alone. But
+            # not rows that fdp refuses to split (a UserDict holding tensors, a NumPy array):
+            # the mapped call says so, where running unsplit would silently not split them.
+            if first is None and not any(_tree.unsplittable_reason(x, "fdp.DataParallel") for x in leaves):
                 return self._run_once(direct, inputs, kwargs)
-            first = tensors[0]
         if (
-            -first.dim() <= self.dim < first.dim()
+            first is not None
+            and not first.is_nested  # (no shape: the mapped call refuses it, saying why)
+            and -first.dim() <= self.dim < first.dim()
             and first.shape[self.dim] == 0
             and _empty_batch(inputs, kwargs, self.dim)
         ):
@@ -353,7 +357,7 @@ def _empty_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> b
     """Whether every tensor argument has no rows along ``dim`` (else the pmapped call checks
     them: sizes that differ, a rank too small)."""
     tensors = [t for t in _tree.flatten((inputs, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return all(-t.dim() <= dim < t.dim() and t.shape[dim] == 0 for t in tensors)
+    return all(not t.is_nested and -t.dim() <= dim < t.dim() and t.shape[dim] == 0 for t in tensors)
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:

@@ -12,9 +12,10 @@ import dataclasses
 import gc
 import io
 import threading
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict, UserDict, namedtuple
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -457,6 +458,38 @@ def test_a_call_without_tensors_runs_once_on_the_first_device(n: int) -> None:
     torch.testing.assert_close(model(), torch.full((3,), 2.0))
     torch.testing.assert_close(model(3), torch.full((3,), 3.0))
     assert net.calls == (2 if n == 1 else 0)
+
+
+class Encoding(UserDict):  # a Hugging Face BatchEncoding, as a DataCollator returns it
+    pass
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (
+            lambda: Encoding(input_ids=torch.ones(4, 3)),
+            r"inputs\[0\]: a Encoding holding tensors, .* Pass a plain dict",
+        ),
+        (lambda: {"input_ids": np.ones((4, 3), np.float32)}, r"inputs\[0\]\['input_ids'\]: a numpy.ndarray"),
+    ],
+    ids=["UserDict", "numpy"],
+)
+def test_rows_fdp_does_not_split_are_refused_when_no_tensor_is_passed(n: int, batch: Any, match: str) -> None:
+    # With no tensor leaf among the inputs, the call ran unsplit on the first device, as a call
+    # without tensors does: the batch of a UserDict or NumPy array given alone was silently not
+    # split (nor moved), where beside a tensor it is refused.
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, batch: Any) -> torch.Tensor:
+            return self.lin(torch.as_tensor(batch["input_ids"]))
+
+    with pytest.raises(TypeError, match=rf"^fdp.DataParallel: {match}"):
+        fdp.DataParallel(Reads(), device_ids=cpus(n))(batch())
 
 
 @pytest.mark.parametrize("n", [1, 2])
