@@ -594,8 +594,18 @@ def _summed(
     ``destination``, accumulated in replica order. Half-precision buffers are accumulated in
     float32, and the total is returned in float32: the caller rounds it once, after its last
     operation on it. Otherwise the total has the buffers' dtype. It is a new tensor, which the
-    caller may change in place, but for a single unscaled buffer, returned as it is."""
+    caller may change in place, but for a single unscaled buffer, returned as it is.
+
+    A buffer scaled by 0 (a replica of weight 0 in a weighted mean) is left out: such a replica
+    holds none of the samples that the mean is over, and its value, a mean over none of them
+    (a loss over no tokens that count is 0 / 0, NaN), must not make the mean NaN, as 0 * NaN
+    would."""
     wide = _ACCUMULATE_IN.get(buffers[0].dtype)
+    if scales is not None and 0.0 in scales:
+        kept = [r for r, s in enumerate(scales) if s != 0.0]
+        if not kept:  # fdp.distributed: this process's replicas all weigh 0; others do not
+            return torch.zeros_like(buffers[0], device=destination, dtype=wide)
+        buffers, scales = [buffers[r] for r in kept], [scales[r] for r in kept]
     if wide is None:
         if scales is None and len(buffers) == 1:
             return buffers[0]
@@ -1065,7 +1075,9 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
         weight: this replica's weight (finite, non-negative; the replicas' weights must sum to
             more than 0, and to a finite float; a number: not differentiated), or ``None`` for
-            equal weights. Default: ``None``.
+            equal weights. A replica of weight 0 is left out, its value unread (a mean over no
+            tokens, NaN, does not make the result NaN). For a loss averaged over the tokens
+            that count (``ignore_index``), their number. Default: ``None``.
 
     Returns:
         A tree like ``x`` holding the means.

@@ -547,6 +547,43 @@ def test_grad_of_weighted_pmean_inside_replicas() -> None:
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_replica_of_weight_0_leaves_its_value_out_of_the_weighted_mean(n: int, dtype: torch.dtype) -> None:
+    # A language model's loss averaged over the tokens that count (cross_entropy with
+    # ignore_index), weighted by their number: a shard with none of them has a loss of 0 / 0,
+    # NaN, which 0 * NaN carried into the mean. One device's loss over the batch is finite.
+    torch.manual_seed(0)
+    logits = torch.randn(2 * n, 5, dtype=torch.float64)
+    targets = torch.randint(0, 5, (2 * n,))
+    targets[-2:] = -100  # the last replica's shard counts no token
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100).to(dtype)
+
+    @fdp.pmap(axis_name="i", devices=cpus(n), out_axes=None)
+    def mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counted = (targets != -100).sum()
+        value, grad = torch.func.grad_and_value(
+            lambda z: fdp.pmean(loss(z, targets), "i", weight=counted), argnums=0
+        )(logits)[::-1]
+        return value, fdp.all_gather(grad, "i", tiled=True)
+
+    value, grad = mean_loss(logits, targets)
+    expected = loss(logits, targets)
+    torch.testing.assert_close(value, expected)
+    # (Each replica differentiates the sum of all replicas' means, as under jax.pmap: n times it.)
+    one_device = torch.func.grad(lambda z: loss(z, targets).float())(logits)
+    torch.testing.assert_close(grad, n * one_device, atol=1e-2, rtol=1e-2)
+    # The same through the whole call, differentiated outside.
+    z = logits.clone().requires_grad_()
+    whole = per_row(lambda z, t: fdp.pmean(loss(z, t), "i", weight=(t != -100).sum()), n=n, out_axes=None)
+    out = whole(z, targets)
+    torch.testing.assert_close(out, expected)
+    out.float().backward()
+    assert torch.isfinite(z.grad).all() and not z.grad[-2:].any()
+
+
 def test_double_grad_through_all_gather_inside_replicas() -> None:
     # The inner grad goes through all_gather's transpose (psum_scatter), whose own transpose,
     # all_gather, the outer grad goes through: d/dx_r of sum_s 2N w_s . x_s is 2N w_r.
