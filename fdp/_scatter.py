@@ -503,8 +503,16 @@ def _inconsistent_sizes_message(
         else:
             lines.append(f"  * some axes ({count} of them) had size {size}, e.g. {where(*members[0])};")
     lines[-1] = lines[-1].rstrip(";")
-    keywords = [paths[members[0][0]] for _, members in groups if _is_keyword(caller, paths[members[0][0]])]
-    if keywords:
+    # A keyword argument off the batch size is most often one that every replica needs whole (a
+    # causal attn_mask of shape (L, S), a table), which only positional arguments can be given as.
+    keywords = [paths[k] for _, members in groups[1:] for k, _ in members if paths[k].startswith("kwargs")]
+    if keywords and caller.startswith("fdp.DataParallel"):
+        lines.append(
+            f"{keywords[0]} is a keyword argument, which fdp.DataParallel splits as it splits the "
+            "others (as nn.DataParallel does): if every replica needs all of it, hold it on the "
+            "module instead of passing it"
+        )
+    elif keywords and _is_keyword(caller, keywords[0]):
         advice = _keyword_advice(keywords)
         lines.append(advice[0].upper() + advice[1:])
     return "\n".join(lines)

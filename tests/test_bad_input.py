@@ -156,6 +156,26 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"one, pass it positionally with axis None in in_axes$",
     ),
     (
+        # A causal mask (L, S) as a keyword argument, split along axis 0 like the batch: the
+        # message named it, but not how to give it to every replica whole.
+        "mismatched sizes",
+        lambda: (torch.zeros(4, 5, 8), torch.ones(5, 5, dtype=torch.bool)),
+        lambda a: pm(lambda q, attn_mask: q)(a[0], attn_mask=a[1]),
+        ValueError,
+        r"(?s)inconsistent sizes .*axis 0 of kwargs\['attn_mask'\] of type bool\[5,5\]\nKeyword arguments "
+        r"\(here kwargs\['attn_mask'\]\) are always mapped along dim 0, as in jax.pmap: to give every "
+        r"replica all of one, pass it positionally with axis None in in_axes$",
+    ),
+    (
+        "mismatched sizes",
+        lambda: (torch.zeros(4, 5, 8), torch.ones(5, 5, dtype=torch.bool)),
+        lambda a: fdp.DataParallel(Takes2(), device_ids=cpus(2))(a[0], other=a[1]),
+        ValueError,
+        r"(?s)inconsistent sizes .*kwargs\['other'\] is a keyword argument, which fdp.DataParallel splits as "
+        r"it splits the others \(as nn.DataParallel does\): if every replica needs all of it, hold it on "
+        r"the module instead of passing it$",
+    ),
+    (
         "in_axes longer than the arguments",
         lambda: (torch.zeros(4),),
         lambda a: pm(lambda x: x, in_axes=(0, 0))(*a),
