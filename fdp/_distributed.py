@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from . import _split, _thread_state, _tree
+from . import _scatter, _split, _thread_state, _tree
 from ._state import PerReplica
 
 __all__ = [
@@ -1406,6 +1406,15 @@ def shard_batch(batch: _Tree, *, local_replicas: int = 1, split: _split.SplitRul
     if isinstance(local_replicas, bool) or not isinstance(local_replicas, int) or local_replicas < 1:
         raise ValueError(f"{caller}: local_replicas must be a positive int, got {local_replicas!r}")
     paths, leaves, spec = _tree.flatten_with_paths(batch, "batch")
+    # Rows that fdp does not split (a UserDict such as a BatchEncoding, a NumPy array) would go
+    # to every process whole, and every process would train on the whole batch, silently; a
+    # PackedSequence would be cut field by field. Refused as fdp.pmap refuses them.
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor) and (reason := _tree.unsplittable_reason(leaf, caller)):
+            raise TypeError(f"{caller}: {path}: {reason}")
+    packed = _tree.packed_sequence_path((batch,), ("batch",), [0] * len(leaves), spec)
+    if packed is not None:
+        raise TypeError(_scatter.packed_sequence_message(caller, packed))
     rows_of = {p: t.shape[0] for p, t in zip(paths, leaves) if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(set(rows_of.values())) > 1:
         # Each tensor would be cut at the same rows whatever its length: some rows of the

@@ -404,6 +404,8 @@ def whole_advice(caller: str, *, old_note: bool = False) -> str:
         return f"hold it on the module instead of passing it (fdp.DataParallel maps every argument{old})"
     if caller.startswith("fdp.scatter"):
         return "give it axis None in in_axes"
+    if caller.startswith("fdp.distributed"):  # shard_batch: every process gets what is not split
+        return "leave it out of the batch that shard_batch splits"
     return "pass it positionally with axis None in in_axes (keyword arguments are always split)"
 
 

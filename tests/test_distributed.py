@@ -6,6 +6,7 @@ in a quick local run; CI runs them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
@@ -15,14 +16,17 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import distributed_workers
+import numpy as np
 import optree
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import finishes
+from torch import nn
 
 import fdp
 from fdp import _distributed
@@ -645,6 +649,36 @@ def test_shard_batch_of_an_empty_batch_names_itself(monkeypatch: pytest.MonkeyPa
         match=r"fdp.distributed.shard_batch: the batch is empty \(dim 0 of batch\[0\] has size 0\)",
     ):
         fdp.distributed.shard_batch((torch.zeros(0, 3),))
+
+
+class Encoding(collections.UserDict):  # a Hugging Face BatchEncoding, as a DataCollator returns it
+    pass
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (
+            lambda: Encoding(input_ids=torch.ones(4, 3)),
+            r"batch: a Encoding holding tensors, .* Pass a plain dict",
+        ),
+        (lambda: {"ids": np.ones((4, 3))}, r"batch\['ids'\]: a numpy.ndarray of shape \(4, 3\)"),
+        (
+            lambda: nn.utils.rnn.pack_sequence([torch.ones(4, 2)]),
+            r"batch is a torch.nn.utils.rnn.PackedSequence, which fdp cannot split",
+        ),
+    ],
+    ids=["UserDict", "numpy", "PackedSequence"],
+)
+def test_shard_batch_refuses_rows_that_fdp_does_not_split(
+    monkeypatch: pytest.MonkeyPatch, batch: Any, match: str
+) -> None:
+    # A UserDict or NumPy array was returned whole to every process, each then training on the
+    # whole batch; a PackedSequence of one sequence was cut field by field into half sequences.
+    monkeypatch.setattr(_distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(_distributed, "rank", lambda: 0)
+    with pytest.raises(TypeError, match=rf"^fdp.distributed.shard_batch: {match}.*leave it out of the batch"):
+        fdp.distributed.shard_batch(batch())
 
 
 def test_a_rank_failing_inside_try_finally_shutdown_still_tells_the_others(tmp_path: Path) -> None:
