@@ -184,11 +184,13 @@ def _optimizer(
     state_type: type[_CountedT],
     buffers: tuple[str, ...],
     learning_rate: Callable[[int], float | torch.Tensor],
+    sparse_why: str,
 ) -> GradientTransformation[_CountedT]:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
     one-pass ``apply_gradients``. Its state is a ``state_type``; ``buffers`` names the state's
     fields that hold trees like the gradients; ``learning_rate`` gives each step's rate from the
-    steps taken (:func:`_learning_rate`)."""
+    steps taken (:func:`_learning_rate`); ``sparse_why`` says why a sparse gradient
+    cannot be stepped (see :func:`_refuse_sparse`)."""
 
     def checked(grads: Tree, state: Any, params: Tree, call: str) -> tuple[Any, ...]:
         """The leaves and structures of grads and params, and the leaves of the state's trees,
@@ -217,18 +219,26 @@ def _optimizer(
             _verify(name, call, grads, params, state, g, p, spec, params_spec, buffers, specs, state_leaves)
         return g, spec, p, params_spec, state_leaves, lr
 
+    def stepped(grads: Tree, g: Leaves, *args: Any) -> tuple[Leaves, Any]:
+        """``step``, and on failure the sparse gradient it failed on, named (see _refuse_sparse)."""
+        try:
+            return step(g, *args[:-1])
+        except RuntimeError:  # NotImplementedError among them
+            _refuse_sparse(f"fdp.optim.{name}: {args[-1]}", grads, g, sparse_why)
+            raise
+
     @torch.no_grad()
     def update(grads: Tree, state: Any, params: Tree | None = None) -> tuple[Tree, Any]:
         if params is None:
             raise ValueError(f"fdp.optim.{name} needs the params: call update(grads, state, params)")
         g, spec, p, _, state_leaves, lr = checked(grads, state, params, "update")
-        new, new_state = step(g, p, spec, state, state_leaves, lr)
+        new, new_state = stepped(grads, g, p, spec, state, state_leaves, lr, "update")
         return _tree.unflatten(spec, _difference(new, p)), new_state
 
     @torch.no_grad()
     def apply(grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         g, spec, p, params_spec, state_leaves, lr = checked(grads, state, params, "apply_gradients")
-        new, new_state = step(g, p, spec, state, state_leaves, lr)
+        new, new_state = stepped(grads, g, p, spec, state, state_leaves, lr, "apply_gradients")
         # The params' structure, as apply_updates gives: dicts compare equal in any key order.
         return _tree.unflatten(params_spec, new), new_state
 
@@ -457,6 +467,21 @@ def _refuse_non_tensors(where: str, root: str, tree: Tree, leaves: Leaves, *, in
             )
 
 
+def _refuse_sparse(where: str, tree: Tree, leaves: Leaves, why: str) -> None:
+    """Raises for the first leaf of the gradients ``tree`` that is not a dense tensor (an
+    ``nn.Embedding(sparse=True)``'s), whose step failed: torch's error names neither the call nor
+    the leaf, and says the operator has no sparse kernel. ``why`` says what needs dense ones.
+    Looked for only on failure."""
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.layout is not torch.strided:
+            path = _tree.flatten_with_paths(tree, "grads")[0][i]
+            raise TypeError(
+                f"{where} got {path}, a sparse gradient (layout {x.layout}): {why}. Give the layer "
+                "dense gradients (nn.Embedding(..., sparse=False)), or convert the gradient with "
+                ".to_dense()"
+            )
+
+
 def _zeros_like(tree: Tree, name: str) -> Tree:
     leaves, spec = _leaves(tree)
     _refuse_non_tensors(f"fdp.optim.{name}: init", "params", tree, leaves)
@@ -576,7 +601,14 @@ def sgd(
         # Eagerly, a 0-dim tensor lr is taken as the number it holds (torch.optim passes it so).
         return torch._foreach_add(p, g, alpha=-lr), SgdState(state.step + 1, new_momentum)  # type: ignore[arg-type]
 
-    return _optimizer(init, step, "sgd", SgdState, ("momentum",) if momentum else (), learning_rate)
+    # (Without weight decay, the update is the gradient scaled: sparse gradients step as in torch.optim.SGD.)
+    sparse_why = (
+        "fdp.optim.sgd with weight_decay adds the parameter to the gradient, which torch cannot do "
+        "to a sparse one (torch.optim.SGD neither); without weight_decay, sgd steps sparse gradients"
+    )
+    return _optimizer(
+        init, step, "sgd", SgdState, ("momentum",) if momentum else (), learning_rate, sparse_why
+    )
 
 
 def _compiled_tensor(lr: Any) -> bool:
@@ -672,7 +704,11 @@ def _adam(
             new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
         return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
 
-    return _optimizer(init, step, name, AdamState, ("exp_avg", "exp_avg_sq"), learning_rate)
+    sparse_why = (
+        f"fdp.optim.{name} steps dense gradients only, as torch.optim.{'AdamW' if decoupled else 'Adam'} "
+        "does (torch.optim.SparseAdam steps sparse ones)"
+    )
+    return _optimizer(init, step, name, AdamState, ("exp_avg", "exp_avg_sq"), learning_rate, sparse_why)
 
 
 def adam(
@@ -776,6 +812,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation[EmptyState]:
         except (TypeError, RuntimeError):
             # Named only on failure, as below: torch's error names neither the call nor the leaf.
             _refuse_non_tensors("fdp.optim.clip_by_global_norm: update", "grads", grads, g, inexact=True)
+            _refuse_sparse(
+                "fdp.optim.clip_by_global_norm: update",
+                grads,
+                g,
+                "the global norm is taken of dense gradients only (torch.nn.utils.clip_grad_norm_ "
+                "fails on a sparse one too)",
+            )
             raise
         total = torch.linalg.vector_norm(torch.stack([n.to(g[0].device) for n in norms]), 2.0)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)

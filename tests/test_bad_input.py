@@ -37,6 +37,16 @@ def packed_sequence(*lengths: int, enforce_sorted: bool = False) -> nn.utils.rnn
     return nn.utils.rnn.pack_sequence([torch.ones(n, 2) for n in lengths], enforce_sorted=enforce_sorted)
 
 
+def sparse_embedding_gradient() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The params of an ``nn.Embedding(sparse=True)`` and their (sparse) gradients."""
+    emb = nn.Embedding(10, 3, sparse=True)
+    params = {"emb.weight": emb.weight}
+    (grad,) = torch.autograd.grad(
+        torch.func.functional_call(emb, {"weight": emb.weight}, (torch.tensor([1, 2]),)).sum(), [emb.weight]
+    )
+    return {k: v.detach() for k, v in params.items()}, {"emb.weight": grad}
+
+
 def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:
     return fdp.pmap(fn, devices=options.pop("devices", cpus(2)), **options)
 
@@ -595,6 +605,38 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         ),
         ValueError,
         r"^fdp.optim.sgd: lr, a schedule, at step 2, must be non-negative, got -0.1$",
+    ),
+    (
+        # torch's own error named neither the call nor the leaf: no 'aten::lerp.Scalar' for 'SparseCPU'
+        "a sparse gradient given to `fdp.optim.adam`/`adamw`, `sgd` with `weight_decay`, or "
+        "`clip_by_global_norm`",
+        lambda: sparse_embedding_gradient(),
+        lambda a: fdp.optim.adam().update(a[1], fdp.optim.adam().init(a[0]), a[0]),
+        TypeError,
+        r"^fdp.optim.adam: update got grads\['emb.weight'\], a sparse gradient \(layout torch.sparse_coo\): "
+        r"fdp.optim.adam steps dense gradients only, as torch.optim.Adam does \(torch.optim.SparseAdam steps "
+        r"sparse ones\). Give the layer dense gradients \(nn.Embedding\(..., sparse=False\)\), or convert "
+        r"the gradient with .to_dense\(\)$",
+    ),
+    (
+        "a sparse gradient given to `fdp.optim.adam`/`adamw`, `sgd` with `weight_decay`, or "
+        "`clip_by_global_norm`",
+        lambda: sparse_embedding_gradient(),
+        lambda a: fdp.optim.sgd(0.1, weight_decay=0.1).apply_gradients(
+            a[1], fdp.optim.SgdState(0, None), a[0]
+        ),
+        TypeError,
+        r"^fdp.optim.sgd: apply_gradients got grads\['emb.weight'\], a sparse gradient .*with weight_decay "
+        r"adds the parameter to the gradient, which torch cannot do to a sparse one",
+    ),
+    (
+        "a sparse gradient given to `fdp.optim.adam`/`adamw`, `sgd` with `weight_decay`, or "
+        "`clip_by_global_norm`",
+        lambda: sparse_embedding_gradient(),
+        lambda a: fdp.optim.clip_by_global_norm(1.0).update(a[1], fdp.optim.EmptyState()),
+        TypeError,
+        r"^fdp.optim.clip_by_global_norm: update got grads\['emb.weight'\], a sparse gradient .*the global "
+        r"norm is taken of dense gradients only",
     ),
     (
         # Was refused by the pmap beneath, as "fdp.pmap(_forward_replica): axis_name ...".

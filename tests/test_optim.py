@@ -251,6 +251,29 @@ def test_matches_torch_optim_on_complex_parameters(name: str, one_pass: bool) ->
                 torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_steps_sparse_gradients_as_torch_optim_does(momentum: float) -> None:
+    # An nn.Embedding(sparse=True)'s gradients; adam, sgd with weight_decay and clipping refuse
+    # them, naming the leaf (tests/test_bad_input.py).
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True)
+    reference = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=momentum)
+    opt = optim.sgd(0.1, momentum=momentum)
+    params = {"weight": emb.weight.detach().clone()}
+    state = opt.init(params)
+    for ids in ([1, 2], [2, 5], [7, 1, 1]):
+        emb.zero_grad()
+        emb(torch.tensor(ids)).pow(2).sum().backward()
+        reference.step()
+        leaf = params["weight"].requires_grad_()
+        (grad,) = torch.autograd.grad(
+            torch.func.functional_call(emb, {"weight": leaf}, (torch.tensor(ids),)).pow(2).sum(), [leaf]
+        )
+        assert grad.is_sparse
+        params, state = opt.apply_gradients({"weight": grad}, state, {"weight": leaf.detach()})
+    torch.testing.assert_close(params["weight"], emb.weight.detach())
+
+
 def test_adam_takes_complex_gradients_with_the_conjugate_bit() -> None:
     # autograd returns a lazily conjugated gradient for a loss of z.conj(); view_as_real refuses
     # those, so the step resolves them first (torch.optim.Adam fails on such a .grad in 2.13).
