@@ -34,6 +34,7 @@ from . import (
     _functional_call,
     _gather,
     _pmap,
+    _pool,
     _scatter,
     _split,
     _state,
@@ -239,14 +240,22 @@ class DataParallel(nn.Module, Generic[_M]):
 
     def _run_once(self, direct: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The module called once, on the first device, with ``inputs`` and ``kwargs`` as they
-        are, for a call with nothing to split; buffers it updates are the module's."""
-        if direct is not None:
-            return self.module(*inputs, **kwargs)
-        params, buffers, training = _parameters_and_buffers(self.module)
+        are, for a call with nothing to split; buffers it updates are the module's.
+
+        It runs as the one replica of the wrapper's ``axis_name``, as a call with a batch runs:
+        collectives in the module (fdp.SyncBatchNorm's exchange) see one replica rather than
+        no axis, and under fdp.distributed the call takes its part in the other processes'
+        (which would otherwise wait for it), and a call inside a replica is refused."""
         device = self._devices[0]
+        lone = _pool.LoneReplica(device, axis_name=self.axis_name, caller="fdp.DataParallel")
+        if direct is not None:
+            return lone(_call_module, self.module, inputs, kwargs)
+        params, buffers, training = _parameters_and_buffers(self.module)
         params = {name: p.to(device) for name, p in params.items()}
         on_device = {name: b.to(device) for name, b in buffers.items()}
-        outputs, state = _forward_replica(self.module, self.dim, training, params, on_device, inputs, kwargs)
+        outputs, state = lone(
+            _forward_replica, self.module, self.dim, training, params, on_device, inputs, kwargs
+        )
         if state is not None:
             self._update_buffers(buffers, [state[0]], [1.0])
         return outputs

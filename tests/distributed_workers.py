@@ -602,6 +602,25 @@ def empty_shares(rank: int, world: int, folder: str) -> None:
         fdp.distributed.shutdown()
 
 
+def empty_share_under_data_parallel(rank: int, world: int, folder: str) -> None:
+    """fdp.DataParallel with an axis name (a SyncBatchNorm) whose share on rank 0 is empty."""
+    start(rank, world, folder)
+    result: dict = {}
+    try:
+        model = fdp.DataParallel(
+            fdp.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3), axis_name="b"),
+            device_ids=["cpu"],
+            axis_name="b",
+        )
+        x = torch.arange(6.0).reshape(2, 3) if rank == 1 else torch.zeros(0, 3)
+        result["call"] = timed_outcome(lambda: model(x))
+        result["running_mean"] = model.module.running_mean.tolist()
+        result["after"] = timed_outcome(lambda: model(torch.ones(2, 3)))  # the ranks go on together
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def failure_in_finally(rank: int, world: int, folder: str) -> None:
     """Rank 1 raises between calls inside ``try: ... finally: fdp.distributed.shutdown()`` (the
     usual shape of a DDP script), while rank 0 waits for it in a psum: shutdown runs before

@@ -442,6 +442,32 @@ def test_an_empty_batch_runs_as_on_one_device(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
+def test_an_empty_batch_or_a_call_without_tensors_runs_in_a_replica_of_the_axis(n: int) -> None:
+    """Run once on the first device, the call is still a replica of the wrapper's axis_name: a
+    module that calls a collective runs as on a batch (it raised 'unbound axis name'), and a
+    call inside a replica is refused as on a batch."""
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x=None):
+            rows = fdp.psum(torch.tensor(0.0 if x is None else float(x.shape[0])), "batch")
+            return {"rows": rows, "replicas": fdp.axis_size("batch")}
+
+    model = fdp.DataParallel(Counted(), device_ids=cpus(n), axis_name="batch")
+    torch.testing.assert_close(model(torch.zeros(4, 3))["rows"], torch.full((min(n, 4),), 4.0))
+    empty = model(torch.zeros(0, 3))
+    torch.testing.assert_close(empty["rows"], torch.zeros(1))
+    assert empty["replicas"] == 1
+    assert model()["replicas"] == 1
+    inner = fdp.DataParallel(nn.Linear(3, 2), device_ids=cpus(n))
+    with pytest.raises(RuntimeError, match=r"^fdp.DataParallel was called inside a function that is already"):
+        fdp.pmap(lambda x: inner(x[:0]), devices=cpus(2))(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("n", [1, 2])
 def test_a_call_without_tensors_runs_once_on_the_first_device(n: int) -> None:
     class Scaled(nn.Module):
         def __init__(self) -> None:

@@ -582,6 +582,17 @@ def test_a_call_that_fails_before_its_exchange_of_replica_counts_tells_the_other
     assert results[0]["arguments_seconds"] < 4, results
 
 
+def test_an_empty_share_under_data_parallel_takes_part_in_the_call(tmp_path: Path) -> None:
+    # Rank 0's empty share ran outside any replica, with no exchange of replica counts: it
+    # returned, and rank 1 waited for it (here: until rank 0 shut down).
+    results, codes = spawn(distributed_workers.empty_share_under_data_parallel, tmp_path, timeout=60.0)
+    assert codes == [0, 0], results
+    for r in results:
+        assert r["call"]["error"] is None and r["after"]["error"] is None, r
+        # One replica on each rank: the layer normalizes over rank 1's two rows (momentum 0.1).
+        assert r["running_mean"] == pytest.approx([0.15, 0.25, 0.35]), r
+
+
 def test_nccl_without_gpus_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
