@@ -603,8 +603,15 @@ def _summed(
     wide = _ACCUMULATE_IN.get(buffers[0].dtype)
     if scales is not None and 0.0 in scales:
         kept = [r for r, s in enumerate(scales) if s != 0.0]
-        if not kept:  # fdp.distributed: this process's replicas all weigh 0; others do not
-            return torch.zeros_like(buffers[0], device=destination, dtype=wide)
+        if not kept:
+            # fdp.distributed: this process's replicas all weigh 0; others do not. Its zeros
+            # are still a function of a buffer (masked_fill: the value unread, the gradient
+            # 0), as the sum of kept buffers would be: a total made apart from the graph
+            # would leave the caller's backward() nothing to differentiate here, and the
+            # other processes waiting for this one in the backward's all_reduce.
+            first = buffers[0]
+            zeros = first.masked_fill(torch.ones((), dtype=torch.bool, device=first.device), 0)
+            return _transfer.to_device(zeros if wide is None else zeros.to(wide), destination)
         buffers, scales = [buffers[r] for r in kept], [scales[r] for r in kept]
     if wide is None:
         if scales is None and len(buffers) == 1:

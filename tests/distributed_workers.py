@@ -602,6 +602,36 @@ def empty_shares(rank: int, world: int, folder: str) -> None:
         fdp.distributed.shutdown()
 
 
+def weight_0_on_one_rank(rank: int, world: int, folder: str) -> None:
+    """A token-weighted pmean of a loss whose shards on rank 0 count no token (each NaN),
+    differentiated through the whole call."""
+    start(rank, world, folder)
+    result: dict = {}
+    try:
+        g = torch.Generator().manual_seed(0)
+        logits, targets = (
+            torch.randn(8, 5, dtype=torch.float64, generator=g),
+            torch.randint(0, 5, (8,), generator=g),
+        )
+        targets[:4] = -100  # rank 0's 4 rows
+        z, t = fdp.distributed.shard_batch((logits, targets), local_replicas=2)
+        z.requires_grad_()
+        mean_loss = fdp.pmap(
+            lambda z, t: fdp.pmean(F.cross_entropy(z, t, ignore_index=-100), "i", weight=(t != -100).sum()),
+            axis_name="i",
+            devices=["cpu", "cpu"],
+            split="balanced",
+            out_axes=None,
+        )
+        loss = mean_loss(z, t)
+        result["value"] = loss.item()
+        result["backward"] = timed_outcome(loss.backward)
+        result["grad"] = None if z.grad is None else z.grad.tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def empty_share_under_data_parallel(rank: int, world: int, folder: str) -> None:
     """fdp.DataParallel with an axis name (a SyncBatchNorm) whose share on rank 0 is empty."""
     start(rank, world, folder)

@@ -582,6 +582,30 @@ def test_a_call_that_fails_before_its_exchange_of_replica_counts_tells_the_other
     assert results[0]["arguments_seconds"] < 4, results
 
 
+def test_a_rank_whose_replicas_all_weigh_0_in_pmean_takes_part_in_the_backward(tmp_path: Path) -> None:
+    # Rank 0's replicas all weigh 0: its mean was a tensor of zeros made apart from the graph,
+    # so its backward() failed ("does not require grad") while rank 1 waited for it in the
+    # backward's all_reduce.
+    results, codes = spawn(distributed_workers.weight_0_on_one_rank, tmp_path, timeout=60.0)
+    assert codes == [0, 0], results
+    g = torch.Generator().manual_seed(0)
+    logits, targets = (
+        torch.randn(8, 5, dtype=torch.float64, generator=g),
+        torch.randint(0, 5, (8,), generator=g),
+    )
+    targets[:4] = -100
+    z = logits.clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(z, targets, ignore_index=-100)
+    expected.backward()
+    for rank, r in enumerate(results):
+        assert r["backward"]["error"] is None, r
+        assert r["value"] == pytest.approx(expected.item()), r
+        # Each rank's backward differentiates the sum of both ranks' outputs (pmean's transpose
+        # sums the cotangents): twice the whole batch's loss's gradient, for its own rows.
+        grad = 2 * z.grad[4 * rank : 4 * rank + 4]
+        torch.testing.assert_close(torch.tensor(r["grad"], dtype=torch.float64), grad)
+
+
 def test_an_empty_share_under_data_parallel_takes_part_in_the_call(tmp_path: Path) -> None:
     # Rank 0's empty share ran outside any replica, with no exchange of replica counts: it
     # returned, and rank 1 waited for it (here: until rank 0 shut down).
