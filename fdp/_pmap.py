@@ -35,15 +35,13 @@ _ModuleParams = dict[str, Any] | Sequence[dict[str, Any]]
 
 
 class _Plan:
-    """What one input structure needs: the axis of every leaf, and the key path of a
-    PackedSequence that it would split (which several replicas refuse), if any."""
+    """What one input structure needs: the axis of every leaf."""
 
-    __slots__ = ("axes", "all_zero", "packed")
+    __slots__ = ("axes", "all_zero")
 
-    def __init__(self, axes: list[Any], packed: str | None = None) -> None:
+    def __init__(self, axes: list[Any]) -> None:
         self.axes = axes
         self.all_zero = _axes.all_zero(axes)
-        self.packed = packed
 
 
 class Pmapped(Generic[P, R]):
@@ -344,11 +342,6 @@ class Pmapped(Generic[P, R]):
         caller = self._caller
         _pool.ensure_not_in_replica(caller)  # before any copy to a device
         try:
-            if plan.packed is not None:
-                # Split field by field, a PackedSequence gives every replica garbage, or fails
-                # with "inconsistent sizes" that names its fields, not what to do instead. (On
-                # one device too, as the sizes would: code tried there fails as on several.)
-                raise TypeError(_scatter.packed_sequence_message(caller, plan.packed))
             scattered = _scatter.scatter_leaves(
                 leaves,
                 plan.axes,
@@ -504,9 +497,15 @@ class Pmapped(Generic[P, R]):
                 raise
             axes.extend(part_axes)
         packed = _tree.packed_sequence_path(parts, roots, axes, treespec)
-        if packed is not None and self.rename_paths is not None:
-            packed = self.rename_paths(packed)
-        return _Plan(axes, packed)
+        if packed is not None:
+            # Split field by field, a PackedSequence gives every replica garbage, or fails with
+            # "inconsistent sizes" that names its fields, not what to do instead. Refused here,
+            # with the structure, on one device too: there the lone path would run one that
+            # happens to pass its checks (a single sorted sequence, whose fields agree in
+            # length), and code tried on one device must fail as on several.
+            path = packed if self.rename_paths is None else self.rename_paths(packed)
+            raise TypeError(_scatter.packed_sequence_message(self._caller, path))
+        return _Plan(axes)
 
     def _in_axes_hint(self, spec: Any, args: tuple[Any, ...], keywords: dict[str, Any] | None) -> str | None:
         """What the user likely meant by an ``in_axes`` that is no prefix of the positional

@@ -519,6 +519,22 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"replica's share inside forward with pack_padded_sequence",
     ),
     (
+        # One sequence, sorted (no sorted_indices): its fields agree in length, so on one device
+        # the lone path ran it, where fdp.scatter refused it and two devices refused it.
+        "a PackedSequence under an int axis",
+        lambda: (packed_sequence(4, enforce_sorted=True),),
+        lambda a: pm(lambda p: p.data.sum(), devices=cpus(1))(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): args\[0\] is a torch.nn.utils.rnn.PackedSequence, which fdp cannot split",
+    ),
+    (
+        "a PackedSequence under an int axis",
+        lambda: (packed_sequence(4, enforce_sorted=True),),
+        lambda a: fdp.DataParallel(nn.LSTM(2, 3), device_ids=cpus(1))(*a),
+        TypeError,
+        r"^fdp.DataParallel: inputs\[0\] is a torch.nn.utils.rnn.PackedSequence, which fdp cannot split",
+    ),
+    (
         "a PackedSequence under an int axis",
         lambda: ({"p": packed_sequence(4)},),
         lambda a: fdp.scatter(a[0], cpus(3)),
