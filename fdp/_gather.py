@@ -178,19 +178,16 @@ def gather_outputs(
 
 
 def _packed_sequence_message(caller: str, path: str) -> str:
-    """Why the replicas' PackedSequences cannot be joined, and what to return instead."""
-    keep = (
-        ""
-        if caller.startswith("fdp.DataParallel")  # no out_axes to choose
-        else "; or give it out_axes fdp.PER_REPLICA to keep each replica's"
-    )
+    """Why the replicas' PackedSequences cannot be joined, and what to return instead. (Not
+    out_axes fdp.PER_REPLICA: that makes each of its fields a PerReplica, and PackedSequence,
+    checking its fields' devices as it is built, refuses them with an AttributeError.)"""
     return (
         f"{caller}: {path} is a torch.nn.utils.rnn.PackedSequence, which fdp cannot concatenate "
         "over the replicas: each replica's interleaves its own sequences' time steps, and joined "
         "field by field they make no PackedSequence of the batch. Return the padded output "
         "instead, torch.nn.utils.rnn.pad_packed_sequence(output, batch_first=..., "
         "total_length=T)[0] with T the padded length of the input, so that every replica's has "
-        f"the same length{keep}"
+        "the same length"
     )
 
 

@@ -550,8 +550,8 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"^fdp.pmap\(\S*<lambda>\): output\['h'\] is a torch.nn.utils.rnn.PackedSequence, which fdp "
         r"cannot concatenate over the replicas: .* Return the padded output instead, "
-        r"torch.nn.utils.rnn.pad_packed_sequence\(output, batch_first=..., total_length=T\)\[0\] .*; "
-        r"or give it out_axes fdp.PER_REPLICA",
+        r"torch.nn.utils.rnn.pad_packed_sequence\(output, batch_first=..., total_length=T\)\[0\] with T the "
+        r"padded length of the input, so that every replica's has the same length$",
     ),
     (
         # torch's own errors ("reshape is not implemented for sparse tensors", "unsupported memory
