@@ -363,10 +363,16 @@ def _data_key(p: torch.Tensor) -> tuple[int, int | None, torch.dtype]:
 
 
 def _empty_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> bool:
-    """Whether every tensor argument has no rows along ``dim`` (else the pmapped call checks
-    them: sizes that differ, a rank too small)."""
-    tensors = [t for t in _tree.flatten((inputs, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return all(not t.is_nested and -t.dim() <= dim < t.dim() and t.shape[dim] == 0 for t in tensors)
+    """Whether every tensor argument has no rows along ``dim``, and no other argument holds rows
+    that fdp refuses to split (else the pmapped call checks them: sizes that differ, a rank too
+    small, a NumPy array or a UserDict holding tensors, refused as beside a batch with rows)."""
+    leaves = _tree.flatten((inputs, kwargs))[0]
+    return all(
+        not t.is_nested and -t.dim() <= dim < t.dim() and t.shape[dim] == 0
+        if isinstance(t, torch.Tensor)
+        else not _tree.unsplittable_reason(t, "fdp.DataParallel")
+        for t in leaves
+    )
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:

@@ -439,6 +439,9 @@ def test_an_empty_batch_runs_as_on_one_device(n: int) -> None:
         fdp.DataParallel(net, device_ids=cpus(n))(torch.zeros(0, 3), boxes=torch.zeros(4, 4))
     with pytest.raises(ValueError, match=r"rank should be at least"):
         fdp.DataParallel(net, device_ids=cpus(n), dim=1)(torch.zeros(0, 3), boxes=torch.zeros(0))
+    # Rows that fdp refuses to split beside an empty batch: refused as beside rows.
+    with pytest.raises(TypeError, match=r"kwargs\['boxes'\]: a UserDict holding tensors"):
+        fdp.DataParallel(net, device_ids=cpus(n))(torch.zeros(0, 3), boxes=UserDict(b=torch.zeros(0, 4)))
 
 
 @pytest.mark.parametrize("n", [1, 2])
