@@ -46,10 +46,14 @@ def shard_sizes(size: int, n: int, split: SplitRule) -> tuple[int, ...]:
     return (base + 1,) * extra + (base,) * (replicas - extra)
 
 
-def equal_shapes_hint(*, reduction: bool, among: str = "shards (split='chunk')") -> str:
+def equal_shapes_hint(
+    *, reduction: bool, among: str = "shards (a batch that does not divide evenly over the replicas)"
+) -> str:
     """What to do about per-replica (or per-process) values of different shapes given to a
     collective: mostly the work of uneven ``among``, which a reduction can fold away (a sum,
-    weighted for means) and a gather cannot (padding, or a batch that divides evenly)."""
+    weighted for means) and a gather cannot (padding, or a batch that divides evenly). The
+    collective cannot tell which split rule cut the shards, so the hint names none: under
+    ``split="balanced"`` too, 7 rows over 2 replicas are shards of 4 and 3."""
     if reduction:
         return (
             f"With uneven {among}, reduce per-replica values to equal shapes first "

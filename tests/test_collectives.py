@@ -786,6 +786,16 @@ def test_replicas_passing_different_shapes() -> None:
         finishes(
             lambda: fdp.pmap(lambda x: fdp.all_gather(x, "i"), axis_name="i", devices=cpus(2))(torch.zeros(3))
         )
+    # The hint blames uneven shards, not a split rule: "balanced" cuts 7 rows into 4 and 3 too.
+    with pytest.raises(ValueError) as caught:
+        finishes(
+            lambda: fdp.pmap(
+                lambda x: fdp.all_gather(x, "i"), axis_name="i", devices=cpus(2), split="balanced"
+            )(torch.zeros(7))
+        )
+    message = str(caught.value)
+    assert "split='chunk'" not in message
+    assert "With uneven shards (a batch that does not divide evenly over the replicas), pad" in message
 
 
 def test_pmean_of_integers_is_refused() -> None:
