@@ -376,7 +376,7 @@ def _join(
 
     tensors = [isinstance(v, torch.Tensor) for v in values]
     if not any(tensors):
-        if any(v is not first for v in values[1:]) and (reason := _tree.unjoinable_reason(first)):
+        if any(v is not first for v in values[1:]) and (reason := _tree.unjoinable_reason(first, caller)):
             raise TypeError(f"{caller}: {path()}: {reason}")
         for r, v in enumerate(values[1:], start=1):
             if not _equal(first, v):

@@ -462,7 +462,7 @@ def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
     )
 
 
-def unjoinable_reason(leaf: Any) -> str | None:
+def unjoinable_reason(leaf: Any, caller: str = "") -> str | None:
     """Why replicas' outputs like ``leaf`` (one replica's) cannot be joined, when it is a
     container optree does not flatten that holds tensors: fdp would compare the replicas'
     containers as values (a tensor's == has no truth value, so they never agree, and the
@@ -470,12 +470,37 @@ def unjoinable_reason(leaf: Any) -> str | None:
     return one replica's tensors for the whole batch."""
     plain = _unflattened_container(leaf)
     if plain is None:
-        return None
+        return _object_with_tensors_reason(leaf, caller)
     name = type(leaf).__qualname__
     return (
         f"the replicas returned a {name} holding tensors, {_NOT_FLATTENED}, so fdp cannot join the "
         f"tensors in it. Return a plain {plain.__name__} ({plain.__name__}(obj)), or register {name} "
         f"with optree.register_pytree_node(..., namespace={NAMESPACE!r})"
+    )
+
+
+def _object_with_tensors_reason(leaf: Any, caller: str) -> str | None:
+    """Why replicas' outputs like ``leaf``, an object (not a container) with tensors among its
+    attributes, cannot be joined: a policy's ``torch.distributions.Categorical``, say. Compared
+    as values they never agree (objects compare by identity), and the error spoke of "different
+    non-tensor values", printing two identical reprs; where a custom ``==`` held, one replica's
+    tensors would stand for the whole batch. Only the object's own attributes are looked at,
+    on this error path alone."""
+    try:
+        attributes = vars(leaf)
+    except TypeError:  # no __dict__ (slots, builtins): nothing fdp can name
+        return None
+    names = [k for k, v in attributes.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return None
+    public = [k for k in names if not k.startswith("_")] or names  # Categorical's _param: logits
+    name = type(leaf).__qualname__
+    keep = ", keep each replica's with out_axes=fdp.PER_REPLICA" if caller.startswith("fdp.pmap") else ""
+    return (
+        f"the replicas returned a {name} holding tensors (its attributes {', '.join(public)}), an "
+        f"object that fdp does not flatten, so fdp cannot join the tensors in it. Return the "
+        f"tensors (e.g. {public[0]}) and build the {name} from them after the call{keep}, or "
+        f"register {name} with optree.register_pytree_node(..., namespace={NAMESPACE!r})"
     )
 
 

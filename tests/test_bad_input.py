@@ -51,6 +51,17 @@ def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:
     return fdp.pmap(fn, devices=options.pop("devices", cpus(2)), **options)
 
 
+class NormalPolicy(nn.Module):
+    """A policy whose forward returns a distribution, as RL code often does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.distributions.Normal:
+        return torch.distributions.Normal(self.mean(x), torch.ones(2))
+
+
 class Twice:
     """A container registered with optree in two namespaces, neither of them fdp's."""
 
@@ -355,6 +366,26 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda x: x.shape[0], devices=cpus(8))(*a),
         ValueError,
         r"different non-tensor values at output",
+    ),
+    (
+        # Compared as values they never agreed: "different non-tensor values", two equal reprs.
+        "replicas returning an object that holds tensors (a `torch.distributions` distribution)",
+        lambda: (torch.zeros(4, 3),),
+        lambda a: pm(lambda logits: {"pi": torch.distributions.Categorical(logits=logits)})(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): output\['pi'\]: the replicas returned a Categorical holding tensors "
+        r"\(its attributes logits\), an object that fdp does not flatten, so fdp cannot join the tensors "
+        r"in it. Return the tensors \(e.g. logits\) and build the Categorical from them after the call, "
+        r"keep each replica's with out_axes=fdp.PER_REPLICA, or register Categorical with "
+        r"optree.register_pytree_node\(..., namespace='fdp'\)$",
+    ),
+    (
+        "replicas returning an object that holds tensors (a `torch.distributions` distribution)",
+        lambda: (torch.zeros(4, 3),),
+        lambda a: fdp.DataParallel(NormalPolicy(), device_ids=cpus(2))(*a),
+        TypeError,
+        r"^fdp.DataParallel: output: the replicas returned a Normal holding tensors \(its attributes "
+        r"loc, scale\), .* build the Normal from them after the call, or register Normal with",
     ),
     (
         "scatter of mismatched leaves",
