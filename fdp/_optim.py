@@ -358,6 +358,30 @@ def _refuse_unlike(
         raise ValueError(f"{where} got {path} of {kind} {got} for {param} of {kind} {expected}{why}")
 
 
+def _refuse_none_gradients(where: str, grads: Tree, params: Tree) -> None:
+    """Raises for the first gradient that is None where the params hold a tensor (a parameter
+    the loss does not reach, from ``torch.autograd.grad(..., allow_unused=True)``), if any,
+    naming it: the structures alone differ by a None somewhere among many leaves. Called only
+    once the structures differ."""
+    try:
+        accessors, leaves, spec = optree.tree_flatten_with_accessor(
+            grads, none_is_leaf=True, namespace=_tree.NAMESPACE
+        )
+        params_leaves = spec.flatten_up_to(params)
+    except (ValueError, TypeError):  # another difference: the structures say which
+        return
+    for accessor, g, p in zip(accessors, leaves, params_leaves):
+        if g is None and isinstance(p, torch.Tensor):
+            raise ValueError(
+                f"{where} got {accessor.codify('grads')} = None for a tensor parameter: a parameter "
+                "that the loss does not reach (torch.autograd.grad(..., allow_unused=True) gives None "
+                "for it). "
+                "torch.optim skips a parameter whose .grad is None; fdp.optim steps every "
+                "parameter it is given: pass materialize_grads=True to torch.autograd.grad for "
+                "zero gradients, or leave the parameter out of the params and grads"
+            )
+
+
 def _verify(
     name: str,
     call: str,
@@ -381,6 +405,7 @@ def _verify(
     casts a loaded state to its parameters' dtypes)."""
     mismatch = _differing(params_spec, spec)
     if mismatch is not None:
+        _refuse_none_gradients(f"fdp.optim.{name}: {call}", grads, params)
         raise ValueError(f"fdp.optim.{name}: {call} got params {mismatch[0]} but grads {mismatch[1]}")
     for field, own in zip(fields, specs):
         mismatch = _differing(spec, own)

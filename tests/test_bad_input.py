@@ -654,6 +654,18 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"^fdp.optim.sgd: lr, a schedule, at step 2, must be non-negative, got -0.1$",
     ),
     (
+        # A discriminator's last bias under a gradient penalty, with allow_unused=True: the
+        # message named only the two structures, a None among their leaves.
+        "a gradient of None for a tensor parameter given to `fdp.optim`",
+        lambda: {"a": torch.ones(2), "b": torch.ones(3)},
+        lambda params: fdp.optim.adam().update(
+            {"a": torch.ones(2), "b": None}, fdp.optim.adam().init(params), params
+        ),
+        ValueError,
+        r"^fdp.optim.adam: update got grads\['b'\] = None for a tensor parameter: a parameter that the loss "
+        r"does not reach .*pass materialize_grads=True to torch.autograd.grad for zero gradients",
+    ),
+    (
         # torch's own error named neither the call nor the leaf: no 'aten::lerp.Scalar' for 'SparseCPU'
         "a sparse gradient given to `fdp.optim.adam`/`adamw`, `sgd` with `weight_decay`, or "
         "`clip_by_global_norm`",
