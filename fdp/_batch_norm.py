@@ -59,6 +59,8 @@ class SyncBatchNorm(_BatchNorm):
     Checkpoint activations (``torch.utils.checkpoint``) around the pmapped call, not around
     the layer inside the mapped function: the recomputation runs in the backward pass, outside
     the replicas, with no one to share statistics with, and raises ``RuntimeError`` saying so.
+    (Alone on one device, outside any pmapped call or in a lone replica, checkpointing the
+    layer works as for ``nn.BatchNorm``: nothing was shared.)
 
     The exchange is a collective, so a graph break for ``torch.compile``: under
     ``fdp.pmap(..., compile=True)`` pmap the module itself (``fdp.pmap(model, compile=True)``,
@@ -145,8 +147,10 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        if batch_statistics and _shares_statistics(self):
-            return self._synced(input)
+        if batch_statistics:
+            exchange = _exchanges_statistics(self)
+            if exchange is not None:
+                return self._synced(input, exchange)
         # Running statistics, or one device's batch: no replica to share with.
         batches = None
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -171,8 +175,10 @@ class SyncBatchNorm(_BatchNorm):
             return self.momentum
         return 0.0 if batches is None else 1.0 / float(batches)
 
-    def _synced(self, input: torch.Tensor) -> torch.Tensor:
-        """``forward`` with the statistics of every replica's rows, in a mapped function."""
+    def _synced(self, input: torch.Tensor, exchange: bool) -> torch.Tensor:
+        """``forward`` with the statistics of every replica's rows, in a mapped function
+        (without ``exchange``, of a lone replica's rows: the same ops, but no collective, which
+        its recomputation by torch.utils.checkpoint in backward could not run)."""
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"fdp.SyncBatchNorm: expected {self.num_features} channels (dim 1) in an input "
@@ -194,7 +200,7 @@ class SyncBatchNorm(_BatchNorm):
             with torch.no_grad():
                 running = (self.running_mean * (1 - factor), self.running_var * (1 - factor))
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-        mean, var, count = self._whole_batch_statistics(x)
+        mean, var, count = self._whole_batch_statistics(x, exchange)
         with torch.no_grad():
             if batches is not None and self.num_batches_tracked is not None:
                 self.num_batches_tracked.copy_(batches)
@@ -214,18 +220,22 @@ class SyncBatchNorm(_BatchNorm):
             output = output + self.bias.view(shape)
         return output.to(input.dtype)
 
-    def _whole_batch_statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _whole_batch_statistics(
+        self, x: torch.Tensor, exchange: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The mean and (biased) variance per channel of every replica's rows of ``x``
-        together, and their number per channel (a 0-dim tensor)."""
+        together (without ``exchange``, of this lone replica's), and their number per channel
+        (a 0-dim tensor)."""
         channels = x.shape[1]
         rows = x.numel() // channels if channels else 0
         if rows:
             var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
         else:  # an empty shard adds nothing (var_mean would give NaN, and 0 * NaN is NaN)
             var = mean = x.new_zeros(channels)
-        # One exchange: (count, mean, sum of squared deviations) from every replica.
+        # One exchange: (count, mean, sum of squared deviations) from every replica, as a
+        # (replicas, 1 + 2C) tensor (a lone replica's own row, with the same ops after it).
         mine = torch.cat([x.new_full((1,), float(rows)), mean, var * rows])
-        every = _collectives.all_gather(mine, self.axis_name)  # (replicas, 1 + 2C)
+        every = _collectives.all_gather(mine, self.axis_name) if exchange else mine[None]
         counts, means, deviations = every[:, :1], every[:, 1 : 1 + channels], every[:, 1 + channels :]
         count = counts.sum()
         # Only a replica with at most one row of its own can see too few in all: the host
@@ -296,20 +306,30 @@ class SyncBatchNorm(_BatchNorm):
         return converted
 
 
-def _shares_statistics(layer: SyncBatchNorm) -> bool:
-    """Whether ``layer``, computing batch statistics, shares them with the other replicas of
-    its axis: True in a replica of a call mapped over that axis, False outside any replica (one
-    device's batch). Raises where it cannot do either: a replica mapped over another axis, or a
-    backward pass outside any replica.
+# Set on the module object that ran (a replica's private copy, or the layer itself) by every
+# forward with batch statistics: what _exchanges_statistics returned there. A recomputation in
+# backward (torch.utils.checkpoint) reads it to tell a forward it cannot repeat (the replicas
+# it exchanged with are gone) from one it can, alone on one device.
+_FORWARD_KEY = "_fdp_exchanged_statistics"
+
+
+def _exchanges_statistics(layer: SyncBatchNorm) -> bool | None:
+    """How ``layer`` computes batch statistics: True, over every replica of its axis (a replica
+    of a call mapped over it, with others in this process or in others); False, over a lone
+    replica's rows, with the same ops but no exchange; None, as a plain batch norm (outside
+    any replica: one device's batch). Raises where it can do none of these: a replica mapped
+    over another axis, or a backward pass, outside any replica, recomputing a forward that
+    exchanged (a forward alone on one device is recomputed as it ran).
 
     Run eagerly under torch.compile (see the note after the function): dynamo would otherwise
     trace the read of the thread's replica, and torch 2.11's dynamo fails on it while building
     the compiled code's guards (``AssertionError: Unexpected type ReplicaContext``). In a
     replica the graph breaks at the exchange of statistics anyway, next to this.
     """
+    state = layer.__dict__
     if _replica.current() is not None:
         try:
-            _collectives._bound(layer.axis_name, "fdp.SyncBatchNorm")
+            context = _collectives._bound(layer.axis_name, "fdp.SyncBatchNorm")
         except NameError as error:
             # Said here, in the layer's words: the exchange beneath would name fdp.all_gather,
             # which the user never called (a converted model under fdp.DataParallel, say).
@@ -318,25 +338,33 @@ def _shares_statistics(layer: SyncBatchNorm) -> bool:
                 f"function with fdp.pmap(..., axis_name={layer.axis_name!r}), or give "
                 f"fdp.DataParallel(..., axis_name={layer.axis_name!r})"
             ) from None
-        return True
-    if torch._C._current_graph_task_id() != -1:
-        # In a backward pass, outside any replica: a recomputation (torch.utils.checkpoint
-        # inside the mapped function), whose replicas are gone. As a plain batch norm it would
-        # normalize with the shard's statistics alone, and the gradients would be wrong,
-        # silently (reentrant checkpointing) or with an unclear CheckpointError.
-        raise RuntimeError(
-            "fdp.SyncBatchNorm ran with batch statistics during a backward pass, outside any "
-            "replica: most likely torch.utils.checkpoint inside the mapped function, "
-            "recomputing the layer after the replicas returned, where there is no one to "
-            "share statistics with. Checkpoint around the whole pmapped call instead (its "
-            "recomputation runs the replicas again), or checkpoint only regions without "
-            "the layer. (Outside fdp.pmap, use torch.nn.BatchNorm.)"
-        )
-    return False
+        exchange: bool | None = context.group.global_size > 1
+    elif torch._C._current_graph_task_id() == -1:
+        exchange = None
+    else:
+        # In a backward pass, outside any replica: a recomputation (torch.utils.checkpoint),
+        # done as the forward was, unless that forward exchanged: inside the mapped function,
+        # whose replicas are gone. As a plain batch norm it would normalize with the shard's
+        # statistics alone, and the gradients would be wrong, silently (reentrant
+        # checkpointing) or with an unclear CheckpointError.
+        exchange = state.get(_FORWARD_KEY)
+        if exchange:
+            raise RuntimeError(
+                "fdp.SyncBatchNorm ran with batch statistics during a backward pass, outside "
+                "any replica: most likely torch.utils.checkpoint inside the mapped function, "
+                "recomputing the layer after the replicas returned, where there is no one to "
+                "share statistics with. Checkpoint around the whole pmapped call instead (its "
+                "recomputation runs the replicas again), or checkpoint only regions without "
+                "the layer."
+            )
+        return exchange
+    if state.get(_FORWARD_KEY) is not exchange:
+        state[_FORWARD_KEY] = exchange
+    return exchange
 
 
 eager_under_compile(
-    _shares_statistics,
+    _exchanges_statistics,
     why=(
         "fdp runs fdp.SyncBatchNorm's check of the replica it runs in eagerly, as a graph break: "
         "in training mode the layer exchanges statistics with the other replicas, which run in "

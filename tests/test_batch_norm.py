@@ -370,6 +370,52 @@ def test_activation_checkpointing_around_the_pmapped_call() -> None:
         torch.testing.assert_close(grad, want_grads[name], msg=lambda m, name=name: f"{name}: {m}")
 
 
+class _Checkpointed(nn.Module):
+    """``body`` under activation checkpointing, as a block of a model that saves memory."""
+
+    def __init__(self, body: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.body = body
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("where", ["no replica", "a lone pmap replica", "DataParallel on one device"])
+def test_activation_checkpointing_alone_on_one_device_is_a_plain_batch_norms(
+    reentrant: bool, where: str
+) -> None:
+    # Alone on one device the layer's batch is the whole batch, and its recomputation in
+    # backward can be done as the forward was: a converted model with checkpointed blocks
+    # trains there as the unconverted one does (it raised, as inside several replicas).
+    model = make_model(nn.BatchNorm2d).double()
+    x = input_for(nn.BatchNorm2d, 6)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    results = []
+    for module in (_Checkpointed(model, reentrant), _Checkpointed(synced, reentrant)):
+        run: Any = module
+        if module.body is synced and where == "a lone pmap replica":
+            run = fdp.pmap(lambda x, module=module: module(x), axis_name="batch", devices=cpus(1))
+        elif module.body is synced and where == "DataParallel on one device":
+            run = fdp.DataParallel(module, device_ids=cpus(1), axis_name="batch")
+        xg = x.clone().requires_grad_()
+        y = run(xg)
+        # backward(), not autograd.grad, which reentrant checkpointing refuses.
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+        grads = {"x": xg.grad, **{n: p.grad for n, p in module.body.named_parameters()}}
+        # The buffers are updated in the forward and again in the recomputation, as torch's own
+        # batch norm's are.
+        results.append((y.detach(), grads, dict(module.body.named_buffers())))
+    (want_y, want_grads, want_buffers), (y, grads, buffers) = results
+    torch.testing.assert_close(y, want_y)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], msg=lambda m, name=name: f"{name}: {m}")
+    for name in want_buffers:
+        torch.testing.assert_close(buffers[name], want_buffers[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_evaluation_mode_without_running_statistics_uses_the_whole_batch() -> None:
     # nn.BatchNorm(track_running_stats=False) normalizes with the batch's statistics in eval
     # mode too: here the whole batch's, exchanged, as on one device.
