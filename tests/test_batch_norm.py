@@ -416,6 +416,34 @@ def test_activation_checkpointing_alone_on_one_device_is_a_plain_batch_norms(
         torch.testing.assert_close(buffers[name], want_buffers[name], msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_differentiated_inside_the_replicas_on_uneven_shards_with_the_documented_recipe() -> None:
+    # docs/training.md: under torch.func.grad the layer's exchange couples the replicas' losses,
+    # so each replica differentiates its share of the whole batch's mean loss and the gradients
+    # are summed (a pmean weighted by rows is right for equal shards only).
+    model = make_model(nn.BatchNorm2d).double()
+    x = input_for(nn.BatchNorm2d, 10)
+    target = torch.linspace(-1, 1, 10 * 2 * 3 * 2, dtype=torch.float64).reshape(10, 2, 3, 2)
+    want_model = copy.deepcopy(model)
+    (want_model(x) - target).square().mean((1, 2, 3)).mean().backward()
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    params = {k: v.detach() for k, v in synced.named_parameters()}
+    buffers = {k: v.clone() for k, v in synced.named_buffers()}
+
+    @fdp.pmap(in_axes=(None, None, 0, 0), out_axes=None, axis_name="batch", devices=cpus(3), split="balanced")
+    def gradient(params: Any, buffers: Any, x: torch.Tensor, target: torch.Tensor) -> Any:
+        rows = fdp.psum(x.shape[0], "batch")
+
+        def loss_fn(params: Any) -> torch.Tensor:
+            y, _ = fdp.stateful_call(synced, params, buffers, (x,))
+            return (y - target).square().mean((1, 2, 3)).sum() / rows
+
+        return fdp.psum(torch.func.grad(loss_fn)(params), "batch")
+
+    grads = gradient(params, buffers, x, target)  # shards of 4, 3, 3
+    for name, p in want_model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_evaluation_mode_without_running_statistics_uses_the_whole_batch() -> None:
     # nn.BatchNorm(track_running_stats=False) normalizes with the batch's statistics in eval
     # mode too: here the whole batch's, exchanged, as on one device.

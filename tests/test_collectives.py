@@ -584,6 +584,26 @@ def test_a_replica_of_weight_0_leaves_its_value_out_of_the_weighted_mean(n: int,
     assert torch.isfinite(z.grad).all() and not z.grad[-2:].any()
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_class_weighted_segmentation_loss_is_weighted_by_its_counted_pixels_class_weights(n: int) -> None:
+    # docs/collectives.md: cross_entropy(weight=..., ignore_index=...) divides by the counted
+    # pixels' class weights, so that sum, not their count, weighs the shards (7 maps: uneven).
+    torch.manual_seed(0)
+    logits = torch.randn(7, 4, 3, 3, dtype=torch.float64)
+    labels = torch.randint(0, 4, (7, 3, 3))
+    labels[torch.rand(7, 3, 3) < 0.3] = 255
+    class_weights = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits, labels, weight=class_weights, ignore_index=255)
+
+    @fdp.pmap(axis_name="i", devices=cpus(n), out_axes=None)
+    def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return fdp.pmean(loss(logits, labels), "i", weight=class_weights[labels[labels != 255]].sum())
+
+    torch.testing.assert_close(mean_loss(logits, labels), loss(logits, labels))
+
+
 def test_double_grad_through_all_gather_inside_replicas() -> None:
     # The inner grad goes through all_gather's transpose (psum_scatter), whose own transpose,
     # all_gather, the outer grad goes through: d/dx_r of sum_s 2N w_s . x_s is 2N w_r.
