@@ -100,12 +100,7 @@ def scatter_leaves(
             # A nested tensor of torch's strided layout has no shape: torch's error ("Internal
             # error: NestedTensorImpl doesn't support sizes. Please file an issue.") names neither
             # the call nor the argument, and reads as a bug of torch's.
-            raise TypeError(
-                f"{caller}: {paths()[k]} is a nested tensor (type {_tree.describe(leaf)}), which "
-                f"fdp cannot split along axis {axis}: {_whole_advice(caller)}, or pass its "
-                "components as a list of tensors, or a padded tensor (.to_padded_tensor(0.0)) to "
-                "split"
-            ) from err
+            raise TypeError(_nested_message(caller, paths()[k], leaf, axis)) from err
         if batch is None:
             batch = size
         elif size != batch:
@@ -160,6 +155,10 @@ def scatter_leaves(
                 rows[r][k] = shard
         except RuntimeError as err:  # NotImplementedError too
             refuse_meta(caller, leaves, [k], paths, run_on, err)
+            if leaf.is_nested:
+                # One of torch's jagged layout, which has a batch size but no split along it
+                # ("split_with_sizes(): not supported for NestedTensor on dim=0"), nor .to_dense().
+                raise TypeError(_nested_message(caller, paths()[k], leaf, user_axes[k])) from err
             if leaf.layout == torch.strided:
                 raise
             # A sparse tensor: torch's error ("Could not run 'aten::as_strided' with arguments
@@ -182,6 +181,19 @@ def _whole_advice(caller: str) -> str:
     caller can say (fdp.DataParallel has no in_axes, and fdp.pmap's keyword arguments are
     always split, so "axis None" alone is no advice for either)."""
     return f"to give every replica all of it, {_tree.whole_advice(caller)}"
+
+
+def _nested_message(caller: str, path: str, leaf: torch.Tensor, axis: int) -> str:
+    """Why a nested tensor (of either layout) cannot be split, and what to pass instead. Not a
+    list of its components: a list is a container, whose every tensor fdp would split along
+    the axis (each component's rows, say each image's boxes, over the replicas), not the list."""
+    return (
+        f"{caller}: {path} is a nested tensor (type {_tree.describe(leaf)}), which fdp cannot "
+        f"split along axis {axis}: {_whole_advice(caller)}, or pad it into one tensor "
+        "(.to_padded_tensor(0.0)) and pass the components' lengths beside it, to split both "
+        "by component (a list of the components would not do: fdp splits each tensor in a "
+        "list, not the list)"
+    )
 
 
 def packed_sequence_message(caller: str, path: str) -> str:

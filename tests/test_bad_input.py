@@ -25,6 +25,13 @@ def nested(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.nested.nested_tensor(tensors)
 
 
+def jagged(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A nested tensor of torch's jagged layout (any prototype warning silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor(tensors, layout=torch.jagged)
+
+
 def quantized(t: torch.Tensor) -> torch.Tensor:
     """``t`` quantized (torch's deprecation warning for quantized tensors silenced)."""
     with warnings.catch_warnings():
@@ -507,7 +514,21 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"^fdp.DataParallel: inputs\[1\] is a nested tensor .* along axis 0: to give every replica "
         r"all of it, hold it on the module instead of passing it \(fdp.DataParallel maps every argument\), "
-        r"or pass its components",
+        r"or pad it into one tensor \(.to_padded_tensor\(0.0\)\) and pass the components' lengths beside "
+        r"it, to split both by component \(a list of the components would not do: fdp splits each tensor "
+        r"in a list, not the list\)$",
+    ),
+    (
+        # One of torch's jagged layout (per-image boxes, say) has a batch size, but torch cannot
+        # split it there: the message advised .to_dense(), which the jagged layout has not.
+        "a nested tensor under an int axis",
+        lambda: (torch.zeros(2), jagged([torch.zeros(3, 4), torch.zeros(1, 4)])),
+        lambda a: pm(lambda x, boxes: x)(*a),
+        TypeError,
+        r"^fdp.pmap\(<lambda>.*\): args\[1\] is a nested tensor \(type float32\[2,j\d+,4\]\), which fdp "
+        r"cannot split along axis 0: to give every replica all of it, pass it positionally with axis None "
+        r"in in_axes \(keyword arguments are always split\), or pad it into one tensor "
+        r"\(.to_padded_tensor\(0.0\)\) and pass the components' lengths beside it",
     ),
     (
         # torch's own error read "Internal error: NestedTensorImpl doesn't support sizes. Please
