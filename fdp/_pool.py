@@ -357,6 +357,21 @@ def _primary_error(
             "split_with_sizes), which autograd lets no one change in place: use the out-of-place "
             "op (nn.ReLU(inplace=False), x = x.relu()) on the shard, or clone it first",
         )
+    if (
+        len(errors) > 1
+        and isinstance(error, ValueError)
+        and "Expected more than 1 value per channel when training" in _replica.error_text(error)
+    ):
+        # torch's message names the shard's size, where the caller gave a batch that one
+        # device normalizes fine (a batch of 3 over 3 replicas: a (1, C) input to each).
+        _note(
+            error,
+            caller,
+            "each replica's batch norm normalizes its own shard, which here holds too few rows "
+            "(one device would see the whole batch): give every replica at least 2 rows (a "
+            "larger batch, fewer devices), or normalize over the whole batch with "
+            "fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name=...)",
+        )
     for i, other in failed:
         if other is not error:
             _note(

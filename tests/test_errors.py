@@ -347,3 +347,18 @@ def test_an_in_place_op_on_a_shard_that_requires_grad_says_why() -> None:
     with pytest.raises(RuntimeError, match="returns multiple views") as caught:
         fdp.pmap(lambda x: torch.relu_(x), devices=cpus(2))(x)
     assert any("shards of a mapped input that requires grad are views" in n for n in caught.value.__notes__)
+
+
+def test_a_batch_norm_given_one_row_per_replica_says_why() -> None:
+    # Three rows train on one device; over three replicas each batch norm gets a (1, C)
+    # input, and torch's message names that size alone: the note says where it comes from.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    x = torch.randn(3, 4)
+    model(x)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:
+        fdp.DataParallel(model, device_ids=cpus(3))(x)
+    assert any(
+        "each replica's batch norm normalizes its own shard" in n
+        and "fdp.SyncBatchNorm.convert_sync_batchnorm" in n
+        for n in caught.value.__notes__
+    )
