@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+import fdp
 
 
 @dataclasses.dataclass(init=False)
@@ -70,3 +74,17 @@ def sgd_steps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: i
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+
+
+def collect_when_workers_rest(timeout: float = 30.0) -> None:
+    """``gc.collect()`` once every worker thread has dropped its replicas' references.
+
+    A replica counts as done (and the pmapped call returns) just before its worker drops the
+    task that holds them, and a task that the calling thread took over from a busy worker stays
+    in that worker's queue until the worker reaches it: under load, a test that counts
+    references right after a call could find them still held for a moment."""
+    deadline = time.monotonic() + timeout
+    while any(worker.busy or not worker.tasks.empty() for worker in list(fdp._pool._WORKERS.values())):
+        assert time.monotonic() < deadline, "fdp's worker threads stayed busy"
+        time.sleep(0.001)
+    gc.collect()

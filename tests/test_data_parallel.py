@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpus, sgd_steps
+from helpers import collect_when_workers_rest, cpus, sgd_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -290,7 +290,7 @@ def test_data_swapped_out_of_parameters_shared_as_they_are_is_not_kept_alive() -
     model(torch.randn(4, 64))
     old = [StorageWeakRef(p.untyped_storage()) for p in model.module.parameters()]
     model.module.half()
-    gc.collect()
+    collect_when_workers_rest()
     assert all(ref.expired() for ref in old)
 
 

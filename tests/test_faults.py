@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import cpus, finishes
+from helpers import collect_when_workers_rest, cpus, finishes
 
 import fdp
 from fdp import _pool
@@ -284,7 +284,7 @@ def test_a_failed_calls_tensors_go_with_its_error(n: int, axis_name: str | None,
     for _ in range(3):  # the first calls time the replicas (the next may run them inline)
         with pytest.raises((Injected, ValueError)):
             f(torch.randn(batch, 3))
-    gc.collect()
+    collect_when_workers_rest()
     made.clear()
     gc.disable()
     try:

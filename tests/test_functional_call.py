@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import assert_trees_close, cpus
+from helpers import assert_trees_close, collect_when_workers_rest, cpus
 from torch import nn
 
 import fdp
@@ -635,7 +635,7 @@ def test_modules_equal_by_value_each_run_as_themselves() -> None:
     # Equal modules collected leave no skeletons behind under the key of the first.
     for _ in range(5):
         fdp.functional_call(_Scaled(2.0), {}, (x,))
-    gc.collect()
+    collect_when_workers_rest()
     fdp.functional_call(first, {}, (x,))
     assert all(s.original() is not None for s in _functional_call._FREE[first])
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import re
 import threading
 import warnings
@@ -14,7 +13,7 @@ from typing import Any, NamedTuple
 import optree
 import pytest
 import torch
-from helpers import cpus, opaque
+from helpers import collect_when_workers_rest, cpus, opaque
 from torch import nn
 
 import fdp
@@ -1442,7 +1441,7 @@ def test_a_dataclass_with_a_tensor_in_a_non_node_field_can_be_passed_again_and_a
     # Nor kept by the caches of plans (a tensor hashes by identity: one entry per call, each
     # holding its tag alive for good); only the last call's structure may hold its own.
     del tag, out
-    gc.collect()
+    collect_when_workers_rest()
     assert [ref() is None for ref in earlier[:-1]] == [True, True]
 
 
