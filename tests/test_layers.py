@@ -121,6 +121,31 @@ def test_embedding(devices: list[str]) -> None:
     check_against_one_device(nn.Embedding(20, 6), lambda: torch.randint(0, 20, (13, 4)), devices)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_in_the_2d_form_splits_by_bags(mode: str) -> None:
+    # The form docs/concepts.md points to, where a 1-D input with offsets would be split into
+    # no bags at all: the bags padded with padding_idx, no offsets. One device's bags from the
+    # 1-D form are the oracle.
+    bag = nn.EmbeddingBag(10, 3, mode=mode, padding_idx=0)
+    flat, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 7, 9]), torch.tensor([0, 2, 5, 5, 7])
+    padded = torch.tensor([[1, 2, 0], [4, 5, 4], [0, 0, 0], [3, 2, 0], [7, 9, 0]])
+    weights = torch.rand(9) if mode == "sum" else None
+    padded_weights = None
+    if weights is not None:
+        padded_weights = torch.zeros(5, 3)
+        for row, (start, end) in enumerate(zip(offsets.tolist(), offsets.tolist()[1:] + [9])):
+            padded_weights[row, : end - start] = weights[start:end]
+    expected = bag(flat, offsets, per_sample_weights=weights)
+    for devices in (cpus(2), cpus(3)):
+        got = fdp.pmap(bag, devices=devices)({}, padded, per_sample_weights=padded_weights)
+        torch.testing.assert_close(got, expected)
+        got = fdp.DataParallel(bag, device_ids=devices)(padded, per_sample_weights=padded_weights)
+        torch.testing.assert_close(got, expected)
+        # The 1-D form run by one replica (a batch of one bag) is no split: allowed.
+        one = fdp.pmap(bag, devices=devices)({}, torch.tensor([4]), torch.tensor([0]))
+        torch.testing.assert_close(one, bag(torch.tensor([4]), torch.tensor([0])))
+
+
 @pytest.mark.parametrize("make_layer", [nn.BatchNorm1d, nn.BatchNorm2d], ids=["1d", "2d"])
 def test_batchnorm_eval(devices: list[str], make_layer: Callable[[int], nn.Module]) -> None:
     layer = make_layer(5)
