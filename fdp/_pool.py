@@ -372,6 +372,21 @@ def _primary_error(
             "larger batch, fewer devices), or normalize over the whole batch with "
             "fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name=...)",
         )
+    if (
+        len(errors) > 1
+        and isinstance(error, RuntimeError)
+        and "offsets[0] has to be 0" in _replica.error_text(error)
+    ):
+        # An nn.EmbeddingBag's 1-D input and offsets, split by rows: a shard's offsets still
+        # point into the whole input. torch's message reads as a mistake in the offsets given.
+        _note(
+            error,
+            caller,
+            "an nn.EmbeddingBag's 1-D input with offsets is no batch of rows: split over the "
+            "replicas, each shard's offsets point into the whole input (and where the bags before "
+            "a shard are empty, its bags come out wrong without this error). Pass the bags in the "
+            "2-D form, a [bags, max_len] tensor of indices padded with padding_idx, with no offsets",
+        )
     for i, other in failed:
         if other is not error:
             _note(

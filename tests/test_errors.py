@@ -362,3 +362,14 @@ def test_a_batch_norm_given_one_row_per_replica_says_why() -> None:
         and "fdp.SyncBatchNorm.convert_sync_batchnorm" in n
         for n in caught.value.__notes__
     )
+
+
+def test_an_embedding_bag_given_1d_input_and_offsets_split_by_rows_says_why() -> None:
+    # Split, each shard's offsets point into the whole input: torch's message reads as a
+    # mistake in the offsets given, which are right for the whole batch.
+    bag = torch.nn.EmbeddingBag(10, 3)
+    indices, offsets = torch.tensor([1, 2, 4, 5]), torch.tensor([0, 1, 2, 3])
+    bag(indices, offsets)
+    with pytest.raises(RuntimeError, match=r"offsets\[0\] has to be 0") as caught:
+        fdp.pmap(bag, devices=cpus(2))({}, indices, offsets)
+    assert any("is no batch of rows" in n and "the 2-D form" in n for n in caught.value.__notes__)
