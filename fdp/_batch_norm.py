@@ -200,16 +200,29 @@ class SyncBatchNorm(_BatchNorm):
             with torch.no_grad():
                 running = (self.running_mean * (1 - factor), self.running_var * (1 - factor))
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-        mean, var, count = self._whole_batch_statistics(x, exchange)
+        statistics = self._whole_batch_statistics(x, exchange)
         with torch.no_grad():
             if batches is not None and self.num_batches_tracked is not None:
                 self.num_batches_tracked.copy_(batches)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        if statistics is None:
+            # No replica has a row (an empty batch, which fdp.DataParallel runs in one
+            # replica of its axis): as nn.BatchNorm has it, the batch is counted, the running
+            # statistics are left as they are, and the output is empty, still a function of
+            # the input and the affine parameters (their gradients 0, not None).
+            output = x.clone()
+            if self.weight is not None:
+                output = output * self.weight.view(shape)
+            if self.bias is not None:
+                output = output + self.bias.view(shape)
+            return output.to(input.dtype)
+        mean, var, count = statistics
+        with torch.no_grad():
             if running is not None and self.running_mean is not None and self.running_var is not None:
                 # The unbiased variance, as nn.BatchNorm keeps; count > 1 was checked.
                 unbiased = var * (count / (count - 1))
                 self.running_mean.copy_(mean * factor + running[0])
                 self.running_var.copy_(unbiased * factor + running[1])
-        shape = (1, -1) + (1,) * (x.dim() - 2)
         scale = torch.rsqrt(var + self.eps)
         if self.weight is not None:
             scale = scale * self.weight
@@ -222,10 +235,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def _whole_batch_statistics(
         self, x: torch.Tensor, exchange: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The mean and (biased) variance per channel of every replica's rows of ``x``
         together (without ``exchange``, of this lone replica's), and their number per channel
-        (a 0-dim tensor)."""
+        (a 0-dim tensor); None where no replica has a row."""
         channels = x.shape[1]
         rows = x.numel() // channels if channels else 0
         if rows:
@@ -240,10 +253,12 @@ class SyncBatchNorm(_BatchNorm):
         count = counts.sum()
         # Only a replica with at most one row of its own can see too few in all: the host
         # reads the count there alone (on a GPU the read waits for the device).
-        if rows <= 1 and count.item() <= 1:
+        if rows <= 1 and (total := count.item()) <= 1:
+            if total == 0:
+                return None  # (every replica sees the same count: all of them return here)
             raise ValueError(
                 f"fdp.SyncBatchNorm: expected more than 1 value per channel in training mode over "
-                f"the replicas of axis {self.axis_name!r}, got {int(count.item())} in all (an "
+                f"the replicas of axis {self.axis_name!r}, got {int(total)} in all (an "
                 f"input of shape {tuple(x.shape)} on {every.shape[0]} replica(s))"
             )
         whole_mean = (counts * means).sum(0) / count

@@ -306,6 +306,26 @@ def test_through_data_parallel_with_the_axis_name() -> None:
         torch.testing.assert_close(value, want_buffers[name])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_an_empty_batch_through_data_parallel_with_the_axis_name(n: int, momentum: float | None) -> None:
+    # fdp.DataParallel runs an empty batch in one replica of its axis: the layer sees no row
+    # on any replica, and does as nn.BatchNorm on one device (an empty output, the batch
+    # counted, the running statistics unchanged), not "expected more than 1 value".
+    model = make_model(nn.BatchNorm1d, momentum=momentum).double()
+    x = input_for(nn.BatchNorm1d, 0)
+    want_y, want_grads, want_buffers = one_device_step(model, x)
+    synced = fdp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), axis_name="batch")
+    xg = x.clone().requires_grad_()
+    y = fdp.DataParallel(synced, device_ids=cpus(n), axis_name="batch")(xg)
+    grads = torch.autograd.grad(y.sum(), [xg, *synced.parameters()])
+    torch.testing.assert_close(y, want_y)
+    for name, grad in zip(["x", *(n for n, _ in synced.named_parameters())], grads):
+        torch.testing.assert_close(grad, want_grads[name])
+    for name, value in synced.named_buffers():
+        torch.testing.assert_close(value, want_buffers[name])
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_a_layer_shared_by_the_replicas_updates_its_statistics_once(momentum: float | None) -> None:
     # The layer in the mapped function's closure: every replica updates the same buffers in
