@@ -467,7 +467,11 @@ def unjoinable_reason(leaf: Any, caller: str = "") -> str | None:
     container optree does not flatten that holds tensors: fdp would compare the replicas'
     containers as values (a tensor's == has no truth value, so they never agree, and the
     error would speak of "different non-tensor values"), or, where == happened to hold,
-    return one replica's tensors for the whole batch."""
+    return one replica's tensors for the whole batch. (Reached for every non-tensor output
+    leaf that the replicas return as distinct objects, equal floats among them: numbers and
+    strings leave at once.)"""
+    if type(leaf) in _LEAF_TYPES:
+        return None
     plain = _unflattened_container(leaf)
     if plain is None:
         return _object_with_tensors_reason(leaf, caller)
@@ -484,11 +488,9 @@ def _object_with_tensors_reason(leaf: Any, caller: str) -> str | None:
     attributes, cannot be joined: a policy's ``torch.distributions.Categorical``, say. Compared
     as values they never agree (objects compare by identity), and the error spoke of "different
     non-tensor values", printing two identical reprs; where a custom ``==`` held, one replica's
-    tensors would stand for the whole batch. Only the object's own attributes are looked at,
-    on this error path alone."""
-    try:
-        attributes = vars(leaf)
-    except TypeError:  # no __dict__ (slots, builtins): nothing fdp can name
+    tensors would stand for the whole batch. Only the object's own attributes are looked at."""
+    attributes = getattr(leaf, "__dict__", None)
+    if not isinstance(attributes, dict):  # no __dict__ (slots, builtins): nothing fdp can name
         return None
     names = [k for k, v in attributes.items() if isinstance(v, torch.Tensor)]
     if not names:
