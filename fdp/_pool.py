@@ -333,6 +333,43 @@ def _clear_old_notes(error: BaseException) -> None:
             notes[:] = [n for n in notes if not (isinstance(n, str) and n.startswith("fdp."))]
 
 
+# Notes for torch errors whose message misleads in a replica: (exception type, a phrase of
+# torch's message, whether only a call of several replicas gets the note, the note).
+_NOTES_ON_TORCH_ERRORS: tuple[tuple[type[BaseException], str, bool, str], ...] = (
+    (
+        # torch's message names SplitWithSizes, which the user never called.
+        RuntimeError,
+        "output of a function that returns multiple views",
+        False,
+        "the replicas' shards of a mapped input that requires grad are views of it (one "
+        "split_with_sizes), which autograd lets no one change in place: use the out-of-place "
+        "op (nn.ReLU(inplace=False), x = x.relu()) on the shard, or clone it first",
+    ),
+    (
+        # torch's message names the shard's size, where the caller gave a batch that one
+        # device normalizes fine (a batch of 3 over 3 replicas: a (1, C) input to each).
+        ValueError,
+        "Expected more than 1 value per channel when training",
+        True,
+        "each replica's batch norm normalizes its own shard, which here holds too few rows "
+        "(one device would see the whole batch): give every replica at least 2 rows (a "
+        "larger batch, fewer devices), or normalize over the whole batch with "
+        "fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name=...)",
+    ),
+    (
+        # An nn.EmbeddingBag's 1-D input and offsets, split by rows: a shard's offsets still
+        # point into the whole input. torch's message reads as a mistake in the offsets given.
+        RuntimeError,
+        "offsets[0] has to be 0",
+        True,
+        "an nn.EmbeddingBag's 1-D input with offsets is no batch of rows: split over the "
+        "replicas, each shard's offsets point into the whole input (and where the bags before "
+        "a shard are empty, its bags come out wrong without this error). Pass the bags in the "
+        "2-D form, a [bags, max_len] tensor of indices padded with padding_idx, with no offsets",
+    ),
+)
+
+
 def _primary_error(
     errors: Sequence[BaseException | None], devices: Sequence[torch.device], caller: str
 ) -> BaseException:
@@ -346,47 +383,10 @@ def _primary_error(
     if same:
         where += f", and the same object by replica(s) {same}"
     _note(error, caller, f"raised by {where}")
-    if isinstance(error, RuntimeError) and "output of a function that returns multiple views" in (
-        _replica.error_text(error)  # a user's __str__ that fails must not replace the error
-    ):
-        # torch's message names SplitWithSizes, which the user never called.
-        _note(
-            error,
-            caller,
-            "the replicas' shards of a mapped input that requires grad are views of it (one "
-            "split_with_sizes), which autograd lets no one change in place: use the out-of-place "
-            "op (nn.ReLU(inplace=False), x = x.relu()) on the shard, or clone it first",
-        )
-    if (
-        len(errors) > 1
-        and isinstance(error, ValueError)
-        and "Expected more than 1 value per channel when training" in _replica.error_text(error)
-    ):
-        # torch's message names the shard's size, where the caller gave a batch that one
-        # device normalizes fine (a batch of 3 over 3 replicas: a (1, C) input to each).
-        _note(
-            error,
-            caller,
-            "each replica's batch norm normalizes its own shard, which here holds too few rows "
-            "(one device would see the whole batch): give every replica at least 2 rows (a "
-            "larger batch, fewer devices), or normalize over the whole batch with "
-            "fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name=...)",
-        )
-    if (
-        len(errors) > 1
-        and isinstance(error, RuntimeError)
-        and "offsets[0] has to be 0" in _replica.error_text(error)
-    ):
-        # An nn.EmbeddingBag's 1-D input and offsets, split by rows: a shard's offsets still
-        # point into the whole input. torch's message reads as a mistake in the offsets given.
-        _note(
-            error,
-            caller,
-            "an nn.EmbeddingBag's 1-D input with offsets is no batch of rows: split over the "
-            "replicas, each shard's offsets point into the whole input (and where the bags before "
-            "a shard are empty, its bags come out wrong without this error). Pass the bags in the "
-            "2-D form, a [bags, max_len] tensor of indices padded with padding_idx, with no offsets",
-        )
+    text = _replica.error_text(error)  # a user's __str__ that fails must not replace the error
+    for kind, phrase, several, note in _NOTES_ON_TORCH_ERRORS:
+        if isinstance(error, kind) and phrase in text and (len(errors) > 1 or not several):
+            _note(error, caller, note)
     for i, other in failed:
         if other is not error:
             _note(
