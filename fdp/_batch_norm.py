@@ -210,25 +210,21 @@ class SyncBatchNorm(_BatchNorm):
             # replica of its axis): as nn.BatchNorm has it, the batch is counted, the running
             # statistics are left as they are, and the output is empty, still a function of
             # the input and the affine parameters (their gradients 0, not None).
-            output = x.clone()
-            if self.weight is not None:
-                output = output * self.weight.view(shape)
-            if self.bias is not None:
-                output = output + self.bias.view(shape)
-            return output.to(input.dtype)
-        mean, var, count = statistics
-        with torch.no_grad():
-            if running is not None and self.running_mean is not None and self.running_var is not None:
-                # The unbiased variance, as nn.BatchNorm keeps; count > 1 was checked.
-                unbiased = var * (count / (count - 1))
-                self.running_mean.copy_(mean * factor + running[0])
-                self.running_var.copy_(unbiased * factor + running[1])
-        scale = torch.rsqrt(var + self.eps)
+            centered, scale = x, x.new_ones(x.shape[1])
+        else:
+            mean, var, count = statistics
+            with torch.no_grad():
+                if running is not None and self.running_mean is not None and self.running_var is not None:
+                    # The unbiased variance, as nn.BatchNorm keeps; count > 1 was checked.
+                    unbiased = var * (count / (count - 1))
+                    self.running_mean.copy_(mean * factor + running[0])
+                    self.running_var.copy_(unbiased * factor + running[1])
+            # x - mean first: where the mean is large next to the spread, x * scale - mean *
+            # scale would lose the difference to rounding.
+            centered, scale = x - mean.view(shape), torch.rsqrt(var + self.eps)
         if self.weight is not None:
             scale = scale * self.weight
-        # x - mean first: where the mean is large next to the spread, x * scale - mean * scale
-        # would lose the difference to rounding.
-        output = (x - mean.view(shape)) * scale.view(shape)
+        output = centered * scale.view(shape)
         if self.bias is not None:
             output = output + self.bias.view(shape)
         return output.to(input.dtype)
