@@ -214,16 +214,15 @@ class DataParallel(nn.Module, Generic[_M]):
             and not first.is_nested  # (no shape: the mapped call refuses it, saying why)
             and -first.dim() <= self.dim < first.dim()
             and first.shape[self.dim] == 0
-            and _empty_batch(inputs, kwargs, self.dim)
+            and _empty_batch((flat := _tree.flatten((inputs, kwargs)))[0], self.dim)
         ):
             # An empty batch (data-dependent, as a detector's second stage may make): there is
             # nothing to split, so it runs once on the first device, as the module runs on one
             # device (nn.DataParallel runs it on every device, each with no rows); its outputs
             # follow the rules of one replica's (0-dim ones stacked, moved to output_device).
             device = self._devices[0]
-            leaves, spec = _tree.flatten((inputs, kwargs))
-            moved = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-            inputs, kwargs = _tree.unflatten(spec, moved)
+            moved = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat[0]]
+            inputs, kwargs = _tree.unflatten(flat[1], moved)
             return _gather.gather(
                 [self._run_once(direct, inputs, kwargs)], self.output_device, out_axes=self.dim
             )
@@ -362,11 +361,11 @@ def _data_key(p: torch.Tensor) -> tuple[int, int | None, torch.dtype]:
     return p._version, p.data_ptr() if p.layout == torch.strided else None, p.dtype
 
 
-def _empty_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> bool:
-    """Whether every tensor argument has no rows along ``dim``, and no other argument holds rows
-    that fdp refuses to split (else the pmapped call checks them: sizes that differ, a rank too
-    small, a NumPy array or a UserDict holding tensors, refused as beside a batch with rows)."""
-    leaves = _tree.flatten((inputs, kwargs))[0]
+def _empty_batch(leaves: Sequence[Any], dim: int) -> bool:
+    """Whether every tensor among the arguments' ``leaves`` has no rows along ``dim``, and no
+    other leaf holds rows that fdp refuses to split (else the pmapped call checks them: sizes
+    that differ, a rank too small, a NumPy array or a UserDict holding tensors, refused as beside
+    a batch with rows)."""
     return all(
         not t.is_nested and -t.dim() <= dim < t.dim() and t.shape[dim] == 0
         if isinstance(t, torch.Tensor)
