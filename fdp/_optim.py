@@ -219,12 +219,13 @@ def _optimizer(
             _verify(name, call, grads, params, state, g, p, spec, params_spec, buffers, specs, state_leaves)
         return g, spec, p, params_spec, state_leaves, lr
 
-    def stepped(grads: Tree, g: Leaves, *args: Any) -> tuple[Leaves, Any]:
-        """``step``, and on failure the sparse gradient it failed on, named (see _refuse_sparse)."""
+    def stepped(call: str, grads: Tree, g: Leaves, *args: Any) -> tuple[Leaves, Any]:
+        """``step(g, *args)``, and on failure the sparse gradient it failed on, named (see
+        _refuse_sparse)."""
         try:
-            return step(g, *args[:-1])
+            return step(g, *args)
         except RuntimeError:  # NotImplementedError among them
-            _refuse_sparse(f"fdp.optim.{name}: {args[-1]}", grads, g, sparse_why)
+            _refuse_sparse(f"fdp.optim.{name}: {call}", grads, g, sparse_why)
             raise
 
     @torch.no_grad()
@@ -232,13 +233,13 @@ def _optimizer(
         if params is None:
             raise ValueError(f"fdp.optim.{name} needs the params: call update(grads, state, params)")
         g, spec, p, _, state_leaves, lr = checked(grads, state, params, "update")
-        new, new_state = stepped(grads, g, p, spec, state, state_leaves, lr, "update")
+        new, new_state = stepped("update", grads, g, p, spec, state, state_leaves, lr)
         return _tree.unflatten(spec, _difference(new, p)), new_state
 
     @torch.no_grad()
     def apply(grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         g, spec, p, params_spec, state_leaves, lr = checked(grads, state, params, "apply_gradients")
-        new, new_state = stepped(grads, g, p, spec, state, state_leaves, lr, "apply_gradients")
+        new, new_state = stepped("apply_gradients", grads, g, p, spec, state, state_leaves, lr)
         # The params' structure, as apply_updates gives: dicts compare equal in any key order.
         return _tree.unflatten(params_spec, new), new_state
 
