@@ -15,7 +15,6 @@ and so are, from the first time one is seen:
 from __future__ import annotations
 
 import collections
-import collections.abc
 import contextlib
 import dataclasses
 import os
