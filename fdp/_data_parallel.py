@@ -145,7 +145,9 @@ class DataParallel(nn.Module, Generic[_M]):
         self._devices = devices
         # A module-level function, not a bound method: the wrapper must not refer to itself
         # (a reference cycle would keep every replaced model alive until the next gc run).
-        self._mapped = _pmap.pmap(
+        # Pmapped itself, not fdp.pmap: fdp.pmap's check of its positional axis_name (one that
+        # reads as in_axes) is for its callers; here it would name fdp.pmap(_forward_replica).
+        self._mapped = _pmap.Pmapped(
             _forward_replica,
             in_axes=(None, None, None, None, None, dim, dim),
             out_axes=(dim, _state.PER_REPLICA),
@@ -153,6 +155,8 @@ class DataParallel(nn.Module, Generic[_M]):
             output_device=output,
             split=split,
             axis_name=axis_name,
+            static_argnums=(),
+            check_unmapped_outputs=False,
         )
         self._mapped._caller = "fdp.DataParallel"
         # The user's inputs are the pmapped function's args[5] (positional) and args[6] (keyword).
@@ -168,7 +172,7 @@ class DataParallel(nn.Module, Generic[_M]):
         # nn.DataParallel runs it on one device (see forward).
         self._direct: _pmap.Pmapped[..., Any] | None = None
         if len(devices) == 1:
-            self._direct = _pmap.pmap(
+            self._direct = _pmap.Pmapped(
                 _call_module,
                 in_axes=(None, dim, dim),
                 out_axes=dim,
@@ -176,6 +180,8 @@ class DataParallel(nn.Module, Generic[_M]):
                 output_device=output,
                 split=split,
                 axis_name=axis_name,
+                static_argnums=(),
+                check_unmapped_outputs=False,
             )
             self._direct._caller = "fdp.DataParallel"
             self._direct.rename_paths = functools.partial(_user_path, 1, None)
@@ -223,8 +229,13 @@ class DataParallel(nn.Module, Generic[_M]):
             device = self._devices[0]
             moved = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat[0]]
             inputs, kwargs = _tree.unflatten(flat[1], moved)
-            return _gather.gather(
-                [self._run_once(direct, inputs, kwargs)], self.output_device, out_axes=self.dim
+            # Joined as the wrapper's calls join them, and named as the wrapper (fdp.gather's
+            # rules for 0-dim outputs are fdp.pmap's, which a dim other than 0 would break).
+            return _gather.gather_outputs(
+                [self._run_once(direct, inputs, kwargs)],
+                self._mapped.output_device,
+                self.dim,
+                caller="fdp.DataParallel",
             )
         if direct is not None:
             return direct(self.module, inputs, kwargs)

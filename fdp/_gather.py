@@ -4,8 +4,9 @@
 and the public :func:`gather` both use it.
 
 * Tensor leaves with an int axis are concatenated along it on the destination; 0-dim tensors
-  are stacked into a vector with one entry per replica (``nn.DataParallel`` warns and unsqueezes
-  for dim 0 and fails otherwise).
+  are stacked into a vector with one entry per replica, under axis 0 or -1 (another is an
+  error, but for ``fdp.DataParallel``'s ``dim``; ``nn.DataParallel`` warns and unsqueezes for
+  dim 0 and fails otherwise).
 * Tensor leaves with axis ``None`` are taken from one replica: the first on the destination
   device, else replica 0 (moved). With ``check=True`` every replica must hold an equal value.
 * Non-tensor leaves are returned once when every replica returned an equal value, and are an
@@ -120,7 +121,12 @@ def gather_outputs(
                 outputs[0], out_axes, plans, structure, exact=True, caller=caller
             )
         if plan.all_per_replica and devices is not None:  # resident state
-            return _tree.unflatten(treespec, _lone_per_replica(leaves, inputs, devices))
+            own = _lone_per_replica(leaves, inputs, devices)
+            try:  # (a try costs nothing until it catches: a resident step passes here every call)
+                return _tree.unflatten(treespec, own)
+            except Exception:
+                _refused_per_replica(treespec, own, plan, caller, rename)
+                raise
     if torch._C._is_any_autocast_enabled():  # type: ignore[attr-defined]
         # fdp's own cat and stack must keep every dtype (see _thread_state.without_autocast):
         # the call again with autocast off, rather than a wrapper on the usual path.
@@ -174,13 +180,46 @@ def gather_outputs(
                     values, axis, destination, k, caller=caller, check=check, outputs=outputs, rename=rename
                 )
             )
-    return _tree.unflatten(treespec, joined)
+    try:
+        return _tree.unflatten(treespec, joined)
+    except Exception:
+        _refused_per_replica(treespec, joined, plan, caller, rename)
+        raise
+
+
+def _refused_per_replica(
+    treespec: optree.PyTreeSpec,
+    leaves: list[Any],
+    plan: OutputPlan,
+    caller: str,
+    rename: Callable[[str], str] | None,
+) -> None:
+    """Called where rebuilding the output from its joined ``leaves`` raised: if a node refused
+    its fields' fdp.PerReplica values (out_axes fdp.PER_REPLICA), a TypeError naming it, with
+    what to return instead; it raised from inside the user's class (a dataclass whose
+    ``__post_init__`` reads a field's ``.shape``, a registered node whose unflatten validates),
+    naming neither the call nor the output. Returns otherwise, for the caller to re-raise."""
+    marked = [axis is _state.PER_REPLICA for axis in plan.axes]
+    found = _tree.refusing_node(treespec, leaves, marked, "output") if any(marked) else None
+    if found is None:
+        return
+    path, node_type, error = found
+    name = node_type.__qualname__
+    # (A PackedSequence under an int axis is refused on several replicas: see _packed_sequence_message.)
+    instead = "None" if issubclass(node_type, torch.nn.utils.rnn.PackedSequence) else "None or 0"
+    raise TypeError(
+        f"{caller}: {_state.refused_by_node(path if rename is None else rename(path), node_type, error)}. "
+        "out_axes fdp.PER_REPLICA keeps each of the output's tensors on its replica, as a "
+        f"fdp.PerReplica in the output's own containers. Return the {name}'s fields in a dict or "
+        f"a tuple (and build a {name} from fdp.unreplicate of them where one is needed), or give "
+        f"it out_axes {instead} in an out_axes tree prefix"
+    ) from error
 
 
 def _packed_sequence_message(caller: str, path: str) -> str:
     """Why the replicas' PackedSequences cannot be joined, and what to return instead. (Not
     out_axes fdp.PER_REPLICA: that makes each of its fields a PerReplica, and PackedSequence,
-    checking its fields' devices as it is built, refuses them with an AttributeError.)"""
+    checking its fields' devices as it is built, refuses them: see _refused_per_replica.)"""
     return (
         f"{caller}: {path} is a torch.nn.utils.rnn.PackedSequence, which fdp cannot concatenate "
         "over the replicas: each replica's interleaves its own sequences' time steps, and joined "
@@ -376,6 +415,11 @@ def _join(
 
     tensors = [isinstance(v, torch.Tensor) for v in values]
     if not any(tensors):
+        # An object holding tensors is refused where the replicas returned objects of their own,
+        # not one that they share (a closure's, returned once, as equal non-tensor values are).
+        # A lone replica's is returned as it is, and holds the whole batch's tensors: nothing
+        # tells it from a shared one, so refusing it too (as PackedSequence inputs are refused
+        # on one device) would refuse, on one device, programs that run on several.
         if any(v is not first for v in values[1:]) and (reason := _tree.unjoinable_reason(first, caller)):
             raise TypeError(f"{caller}: {path()}: {reason}")
         for r, v in enumerate(values[1:], start=1):
@@ -404,6 +448,19 @@ def _join(
             "replica must return the same dtype there"
         )
     if all(v.dim() == 0 for v in values):
+        if axis not in (0, -1) and not caller.startswith("fdp.DataParallel"):
+            # The stack makes a vector, with one dim: out_axes=5 was taken for 0, silently, where
+            # out_axes=1 on a vector (and jax.pmap's out_axes past the rank) is an error.
+            # (fdp.DataParallel's dim is its inputs' too, with no entry per output to give a
+            # loss computed in forward 0: it stacks them along any dim, where nn.DataParallel
+            # raised IndexError for every dim but 0.)
+            kinds = ", ".join(_tree.describe(v) for v in values)
+            raise ValueError(
+                f"{caller}: cannot stack {path()} along out_axes {axis}: the replicas returned "
+                f"{kinds}; 0-dim outputs are stacked into a new vector with one entry per replica, "
+                "and out_axes names a dim of it: a dim in [-1, 0] fits (where the other outputs "
+                f"need out_axes {axis}, give this one its own entry in an out_axes tree prefix)"
+            )
         return _transfer.gather_to([v.unsqueeze(0) for v in values], 0, destination)
     ranks = {v.dim() for v in values}
     dim = _axes.normalize_axis(axis, values[0].dim()) if len(ranks) == 1 else None
@@ -472,9 +529,10 @@ def gather(
         device: where the result goes (``"cpu"`` allowed).
         out_axes: an int, ``None``, :data:`fdp.PER_REPLICA`, or a tree prefix of the trees.
             Int: tensors are concatenated along that dim (0-dim tensors are stacked into a
-            vector). ``None``: the value of the replica on ``device`` (else the first replica's,
-            moved) is returned. ``PER_REPLICA``: each leaf becomes a :class:`fdp.PerReplica` of
-            the replicas' values, left where they are (a value that shares memory with an
+            vector, whose one dim only ``0`` or ``-1`` names). ``None``: the value of the
+            replica on ``device`` (else the first replica's, moved) is returned.
+            ``PER_REPLICA``: each leaf becomes a :class:`fdp.PerReplica` of the replicas'
+            values, left where they are (a value that shares memory with an
             earlier replica's is copied). Default: ``0``.
 
     Returns:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, TypeGuard, TypeVar, overload
 
 import optree
 import torch
@@ -69,17 +69,10 @@ class Pmapped(Generic[P, R]):
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         if not callable(fn):
-            # Most often an option passed positionally, @fdp.pmap(0) for in_axes=0 (as
-            # jax.pmap's second parameter is positional): its options are keyword-only here.
-            raise TypeError(
-                f"fdp.pmap: fn must be callable, got {type(fn).__name__}: {_tree.short_repr(fn)}. "
-                "fdp.pmap's options are keyword-only: fdp.pmap(f, in_axes=0, ...), or as a "
-                "decorator @fdp.pmap(in_axes=0, ...)"
-            )
+            raise TypeError(_not_callable_message(fn))
         self.fn = fn
         self.is_module = isinstance(fn, nn.Module)
-        name = type(fn).__name__ if self.is_module else getattr(fn, "__qualname__", None)
-        self._caller = f"fdp.pmap({name or type(fn).__name__})"
+        self._caller = _caller_of(fn)
         what = self._caller
         self.in_axes = _axes.check_spec(in_axes, what="in_axes", caller=what, list_as_tuple=True)
         self.out_axes = _axes.check_spec(out_axes, what="out_axes", caller=what, per_replica=True)
@@ -673,16 +666,55 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def _caller_of(fn: Callable[..., Any]) -> str:
+    """How messages name a pmapped function: ``fdp.pmap(name)``, a module by its class."""
+    name = type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__qualname__", None)
+    return f"fdp.pmap({name or type(fn).__name__})"
+
+
+def _not_callable_message(fn: Any) -> str:
+    """Why ``fn``, not callable, cannot be pmapped, and what was likely meant."""
+    got = f"fdp.pmap: fn must be callable, got {type(fn).__name__}: {_tree.short_repr(fn)}"
+    if isinstance(fn, str):
+        # @fdp.pmap("i"): an axis name where the function goes. (jax.pmap's decorator with an
+        # axis name is @functools.partial(jax.pmap, axis_name="i"), which works here as well.)
+        return (
+            f"{got}. fdp.pmap takes the function first and the axis name second, as jax.pmap "
+            f"does: fdp.pmap(f, {fn!r}); as a decorator, @fdp.pmap(axis_name={fn!r}) (or "
+            f"@functools.partial(fdp.pmap, axis_name={fn!r}))"
+        )
+    # Most often an option passed positionally, @fdp.pmap(0) for in_axes=0 (torch.vmap's
+    # in_dims is its second parameter): all but axis_name are keyword-only.
+    return (
+        f"{got}. fdp.pmap's options other than axis_name are keyword-only: fdp.pmap(f, "
+        "in_axes=0, ...), or as a decorator @fdp.pmap(in_axes=0, ...)"
+    )
+
+
+def _axes_as_axis_name(axis_name: Any) -> TypeGuard[tuple[Any, ...] | list[Any]]:
+    """Whether ``axis_name`` is a tuple or list of ints and Nones (nested ones too), which is an
+    ``in_axes`` specification rather than a name: what ``fdp.pmap(f, (0, None))`` passes, in
+    torch.vmap's habit (its second parameter is ``in_dims``), now that the second parameter is
+    the axis name, as in ``jax.pmap``. As a name it would bind no collective that anyone writes,
+    and ``in_axes`` would stay 0, splitting the argument meant to go whole to every replica."""
+    if not isinstance(axis_name, (tuple, list)) or not axis_name:
+        return False
+    return all(
+        _axes_as_axis_name(a) if isinstance(a, (tuple, list)) else a is None or type(a) is int
+        for a in axis_name
+    )
+
+
 # A module first: nn.Module's __call__ takes anything, which would type the pmapped module's call
 # as taking anything, where it takes the parameters and buffers first.
 @overload
 def pmap(
     fn: nn.Module,
     /,
+    axis_name: Hashable | None = None,
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    axis_name: Hashable | None = None,
     devices: Sequence[_devices.DeviceLike] | None = None,
     output_device: _devices.DeviceLike | None = None,
     static_argnums: int | Sequence[int] = (),
@@ -696,10 +728,10 @@ def pmap(
 def pmap(
     fn: Callable[P, R],
     /,
+    axis_name: Hashable | None = None,
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    axis_name: Hashable | None = None,
     devices: Sequence[_devices.DeviceLike] | None = None,
     output_device: _devices.DeviceLike | None = None,
     static_argnums: int | Sequence[int] = (),
@@ -713,10 +745,10 @@ def pmap(
 def pmap(
     fn: None = None,
     /,
+    axis_name: Hashable | None = None,
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    axis_name: Hashable | None = None,
     devices: Sequence[_devices.DeviceLike] | None = None,
     output_device: _devices.DeviceLike | None = None,
     static_argnums: int | Sequence[int] = (),
@@ -729,10 +761,10 @@ def pmap(
 def pmap(
     fn: Callable[P, R] | None = None,
     /,
+    axis_name: Hashable | None = None,
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    axis_name: Hashable | None = None,
     devices: Sequence[_devices.DeviceLike] | None = None,
     output_device: _devices.DeviceLike | None = None,
     static_argnums: int | Sequence[int] = (),
@@ -747,7 +779,9 @@ def pmap(
     first replica runs in the calling thread), and gathers the outputs on ``output_device``
     (concatenated along ``out_axes``). Everything is differentiable: ``backward()`` on a loss of
     the output puts into the original tensors the gradient of the one-device computation, up
-    to floating-point summation order. Usable as ``@fdp.pmap`` and as ``@fdp.pmap(...)``.
+    to floating-point summation order. Usable as ``@fdp.pmap`` and as ``@fdp.pmap(...)``. As in
+    ``jax.pmap``, the axis name may come second, positionally (``fdp.pmap(f, "i")``); the other
+    options are keyword-only.
 
     Unlike ``jax.pmap`` the batch need not be a multiple of the device count, and there is no
     extra device axis: shards are pieces of the batch, as in ``nn.DataParallel``.
@@ -763,12 +797,16 @@ def pmap(
             of the arguments) mixes them. Keyword arguments are always split along dim 0.
             Non-tensor leaves reach every replica unchanged. Default: ``0``.
         out_axes: a tree prefix of the output: an int concatenates the replicas' tensors along
-            that dim on ``output_device`` (0-dim outputs are stacked into a vector); ``None``
-            returns the value of the replica on ``output_device`` (else the first replica's);
-            :data:`fdp.PER_REPLICA` keeps every replica's value on its device, as
-            :class:`fdp.PerReplica` leaves (resident state). Default: ``0``.
+            that dim on ``output_device`` (0-dim outputs are stacked into a vector, whose one
+            dim only ``0`` or ``-1`` names); ``None`` returns the value of the replica on
+            ``output_device`` (else the first replica's); :data:`fdp.PER_REPLICA` keeps every
+            replica's value on its device, as :class:`fdp.PerReplica` leaves (resident state)
+            in the output's containers (a ``TypeError`` names a node type that refuses them,
+            checking its fields as it is built). Default: ``0``.
         axis_name: a name for the mapped axis, for collectives and :func:`fdp.axis_index`
-            inside ``fn``. Default: ``None``.
+            inside ``fn``; positional or keyword, as in ``jax.pmap``: ``fdp.pmap(f, "i")`` is
+            ``fdp.pmap(f, axis_name="i")`` (as a decorator, ``@fdp.pmap(axis_name="i")``).
+            Default: ``None``.
         devices: where the replicas run: CUDA indices, strings, ``torch.device``s; duplicates
             allowed (``["cpu", "cpu"]`` is two replicas on the CPU). Default: ``None``, all
             visible CUDA devices, else ``["cpu"]``.
@@ -801,8 +839,11 @@ def pmap(
             empty, nothing is mapped, ``in_axes``/``out_axes`` is not a prefix of the
             arguments/output, a static argument is not given positionally, devices are
             unavailable, or replicas return different structures or non-tensor values.
-        TypeError: (at call time) a NumPy array (or another library's array) under an int axis
-            (convert it with ``torch.as_tensor``), or an unhashable static argument.
+        TypeError: ``fn`` is not callable (an axis name or an option passed in its place), or
+            ``axis_name`` is unhashable or reads as an ``in_axes`` specification
+            (``fdp.pmap(f, (0, None))``, torch.vmap's habit); (at call time) a NumPy array (or
+            another library's array) under an int axis (convert it with ``torch.as_tensor``),
+            or an unhashable static argument.
         RuntimeError: called inside a mapped function, or under a ``torch.func`` transform.
 
     Examples:
@@ -820,6 +861,13 @@ def pmap(
         ...     return x @ w
         >>> predict(torch.ones(2, 1), torch.ones(7, 2)).shape
         torch.Size([7, 1])
+
+        An axis name (second, as in ``jax.pmap``) for collectives: each replica centers its
+        shard on the mean of the whole batch.
+
+        >>> center = fdp.pmap(lambda x: x - fdp.pmean(x.mean(), "i"), "i", devices=["cpu", "cpu"])
+        >>> center(torch.arange(4.0))
+        tensor([-1.5000, -0.5000,  0.5000,  1.5000])
 
         Nested inputs, and shapes per replica:
 
@@ -844,6 +892,14 @@ def pmap(
           * one axis had size 4: axis 0 of args[0] of type float32[4];
           * one axis had size 3: axis 0 of args[1] of type float32[3]
     """
+    if _axes_as_axis_name(axis_name) and (fn is None or callable(fn)):  # (else: fn is the error)
+        caller = "fdp.pmap" if fn is None else _caller_of(fn)
+        raise TypeError(
+            f"{caller}: axis_name is {axis_name!r}, which reads as an in_axes specification: "
+            "fdp.pmap's second argument is the axis name, as jax.pmap's is (torch.vmap's is "
+            f"in_dims). Pass in_axes={tuple(axis_name)!r} by keyword, and name the axis with a "
+            "string if the function calls collectives: fdp.pmap(f, 'i', in_axes=...)"
+        )
     options = dict(
         in_axes=in_axes,
         out_axes=out_axes,

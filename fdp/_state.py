@@ -109,6 +109,22 @@ PER_REPLICA: Final = _PerReplicaAxis()
 """An ``out_axes`` entry: keep every replica's value on its device, as :class:`PerReplica` leaves."""
 
 
+def refused_by_node(path: str, node_type: type, error: Exception) -> str:
+    """Why a node of a tree cannot hold :class:`PerReplica` values in place of its tensors: its
+    type checks its fields as it is built (a dataclass whose ``__post_init__`` reads a field's
+    ``.shape``, ``PackedSequence``, a registered node whose unflatten validates). Each tensor
+    leaf becomes a ``PerReplica`` inside the tree's own containers, so the type meets an object
+    it never expected, and raised from inside the user's class, naming nothing of fdp's."""
+    name = node_type.__qualname__
+    raised = f"{type(error).__name__}: {error}"
+    if len(raised) > 200:
+        raised = raised[:200] + "..."
+    return (
+        f"{path} is a {name}, which cannot hold fdp.PerReplica values in place of its tensors: "
+        f"rebuilt with them, it raised {raised}"
+    )
+
+
 def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> Any:
     """Places an independent copy of every tensor of ``tree`` on every device, once.
 
@@ -125,6 +141,12 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
 
     Returns:
         ``tree`` with every tensor leaf replaced by a :class:`PerReplica`.
+
+    Raises:
+        ValueError: a :class:`PerReplica` leaf of ``tree`` is placed on other devices.
+        TypeError: a node of ``tree`` cannot hold :class:`PerReplica` values in place of its
+            tensors (a dataclass whose ``__post_init__`` reads a field's ``.shape``): placed
+            state goes in dicts, tuples and dataclasses that take any value.
 
     Examples:
         >>> import torch, fdp
@@ -152,7 +174,20 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
                 f"devices ({_names(leaf.devices)}), not on the {len(resolved)} devices given "
                 f"({_names(resolved)}); pass fdp.unreplicate(tree) to place one replica's copy"
             )
-    return optree.tree_map(place, tree, namespace=_tree.NAMESPACE)
+    try:
+        return optree.tree_map(place, tree, namespace=_tree.NAMESPACE)
+    except Exception:
+        leaves, spec = _tree.flatten(tree)
+        marked = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        found = _tree.refusing_node(spec, [place(leaf) for leaf in leaves], marked, "tree")
+        if found is None:
+            raise
+        path, node_type, error = found
+        raise TypeError(
+            f"fdp.device_put_replicated: {refused_by_node(path, node_type, error)}. Place its fields "
+            f"(in a dict or a tuple), and build the {node_type.__qualname__} from them inside the "
+            "mapped function"
+        ) from error
 
 
 def _names(devices: Sequence[torch.device]) -> str:

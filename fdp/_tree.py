@@ -38,6 +38,7 @@ __all__ = [
     "replicas_agree",
     "has_keyed_containers",
     "unflatten",
+    "refusing_node",
     "flatten_with_paths",
     "describe",
     "short_repr",
@@ -767,6 +768,43 @@ def _along(tree: Any, spec: optree.PyTreeSpec, types: list[type]) -> list[Any] |
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
     return optree.tree_unflatten(spec, leaves)
+
+
+def refusing_node(
+    spec: optree.PyTreeSpec, leaves: Sequence[Any], marked: Sequence[bool], root: str
+) -> tuple[str, type, Exception] | None:
+    """Where ``spec.unflatten(leaves)`` fails because of the ``marked`` leaves: the key path
+    (under ``root``) and type of the deepest node above a marked leaf that raises when rebuilt
+    from children that rebuild, with what it raised. None when no such node raises.
+
+    Leaves that a node type was never meant to hold (``fdp.PerReplica`` values where a
+    dataclass's ``__post_init__`` reads its field's ``.shape``, or where ``PackedSequence``
+    checks its fields' devices) fail inside the user's class, with an error that names neither
+    the call nor the output. Rebuilds nodes again, so only for an error's message."""
+    accessors: list[Any] | None = None
+
+    def find(node: optree.PyTreeSpec, start: int, depth: int) -> tuple[str, type, Exception] | None:
+        nonlocal accessors
+        count = node.num_leaves
+        if node.is_leaf() or not any(marked[start : start + count]):
+            return None
+        offset = start
+        for child in node.children():
+            found = find(child, offset, depth + 1)
+            if found is not None:
+                return found
+            offset += child.num_leaves
+        try:
+            node.unflatten(leaves[start : start + count])
+        except Exception as error:  # noqa: BLE001 - whatever the node's type raises
+            if accessors is None:
+                accessors = spec.accessors()
+            node_type = node.type
+            assert node_type is not None  # (None for a leaf alone, left out above)
+            return str(accessors[start][:depth].codify(root)), node_type, error
+        return None
+
+    return find(spec, 0, 0)
 
 
 def flatten_with_paths(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeSpec]:

@@ -4,6 +4,7 @@ the right type naming the argument, and the failing call leaves its inputs as th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -151,6 +152,16 @@ class Takes2(nn.Linear):
         return super().forward(x)
 
 
+@dataclasses.dataclass
+class Checked:
+    """Checks its field as it is built: its __post_init__ reads the tensor's shape."""
+
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.rows = self.x.shape[0]
+
+
 class ListOfRows(list):  # type: ignore[type-arg]
     """A list subclass, which optree does not flatten."""
 
@@ -251,6 +262,35 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda x: (x, x), out_axes=(0, 0, 0))(*a),
         ValueError,
         "out_axes specification must be a tree prefix of the output",
+    ),
+    (
+        # A jax.pmap habit: out_axes=1 there inserts the device axis at dim 1.
+        "an int out_axes past an output's dims (`out_axes=1` on a vector, `out_axes=5` on a 0-dim output)",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda x: x, out_axes=1)(*a),
+        ValueError,
+        r"^fdp.pmap\(\S*<lambda>\): cannot concatenate output along out_axes 1: the replicas returned "
+        r"float32\[2\], float32\[2\]; out_axes concatenates along an existing dim \(it inserts no new axis, "
+        r"unlike jax.pmap's\): a dim in \[-1, 0\] fits$",
+    ),
+    (
+        # Stacked along 0, silently: the 0-dim output's vector has no dim 5.
+        "an int out_axes past an output's dims (`out_axes=1` on a vector, `out_axes=5` on a 0-dim output)",
+        lambda: (torch.zeros(4, 2),),
+        lambda a: pm(lambda x: {"loss": x.sum(), "y": x}, out_axes=5)(*a),
+        ValueError,
+        r"^fdp.pmap\(\S*<lambda>\): cannot stack output\['loss'\] along out_axes 5: the replicas returned "
+        r"float32\[\], float32\[\]; 0-dim outputs are stacked into a new vector with one entry per replica, "
+        r"and out_axes names a dim of it: a dim in \[-1, 0\] fits \(where the other outputs need out_axes 5, "
+        r"give this one its own entry in an out_axes tree prefix\)$",
+    ),
+    (
+        "an int out_axes past an output's dims (`out_axes=1` on a vector, `out_axes=5` on a 0-dim output)",
+        lambda: (torch.zeros(4, 2),),
+        lambda a: pm(lambda x: x.sum(), out_axes=-2, devices=cpus(1))(*a),
+        ValueError,
+        r"^fdp.pmap\(\S*<lambda>\): cannot stack output along out_axes -2: the replicas returned "
+        r"float32\[\];",
     ),
     (
         "rank too small",
@@ -638,7 +678,29 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda: (),
         lambda a: fdp.pmap(0),
         TypeError,
-        r"^fdp.pmap: fn must be callable, got int: 0. fdp.pmap's options are keyword-only",
+        r"^fdp.pmap: fn must be callable, got int: 0. fdp.pmap's options other than axis_name are "
+        r"keyword-only: fdp.pmap\(f, in_axes=0, ...\), or as a decorator @fdp.pmap\(in_axes=0, ...\)$",
+    ),
+    (
+        # "options are keyword-only" was the advice, wrong since the axis name may come second.
+        'an axis name where the function belongs (`@fdp.pmap("i")`)',
+        lambda: (),
+        lambda a: fdp.pmap("i"),  # type: ignore[call-overload]
+        TypeError,
+        r"^fdp.pmap: fn must be callable, got str: 'i'. fdp.pmap takes the function first and the axis "
+        r"name second, as jax.pmap does: fdp.pmap\(f, 'i'\); as a decorator, @fdp.pmap\(axis_name='i'\) "
+        r"\(or @functools.partial\(fdp.pmap, axis_name='i'\)\)$",
+    ),
+    (
+        # Taken as a name, in_axes stayed 0: w was split by rows, meant whole for every replica.
+        "in_axes passed where the axis name goes (`fdp.pmap(f, (0, None))`, torch.vmap's habit)",
+        lambda: (torch.ones(4, 4), torch.ones(4, 4)),
+        lambda a: fdp.pmap(lambda x, w: x @ w, (0, None), devices=cpus(2))(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): axis_name is \(0, None\), which reads as an in_axes specification: "
+        r"fdp.pmap's second argument is the axis name, as jax.pmap's is \(torch.vmap's is in_dims\). "
+        r"Pass in_axes=\(0, None\) by keyword, and name the axis with a string if the function calls "
+        r"collectives: fdp.pmap\(f, 'i', in_axes=...\)$",
     ),
     (
         "gather of one tree (a tensor, a dict) in place of the list of the replicas' trees",
@@ -880,6 +942,31 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda t: t.x)(*a),
         TypeError,
         r"Twice is registered with optree in several namespaces \['lib-a', 'lib-b'\]",
+    ),
+    (
+        # A bare AttributeError ('PerReplica' object has no attribute 'shape') from inside the
+        # user's __post_init__, naming neither the call nor the output.
+        "a node type that checks its fields as it is built, under `out_axes=fdp.PER_REPLICA` or placed by "
+        "`fdp.device_put_replicated`",
+        lambda: (torch.zeros(4, 2),),
+        lambda a: pm(lambda x: {"s": Checked(x)}, out_axes=fdp.PER_REPLICA)(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): output\['s'\] is a Checked, which cannot hold fdp.PerReplica values in "
+        r"place of its tensors: rebuilt with them, it raised AttributeError: 'PerReplica' object has no "
+        r"attribute 'shape'. out_axes fdp.PER_REPLICA keeps each of the output's tensors on its replica, "
+        r"as a fdp.PerReplica in the output's own containers. Return the Checked's fields in a dict or a "
+        r"tuple \(and build a Checked from fdp.unreplicate of them where one is needed\), or give it "
+        r"out_axes None or 0 in an out_axes tree prefix$",
+    ),
+    (
+        "a node type that checks its fields as it is built, under `out_axes=fdp.PER_REPLICA` or placed by "
+        "`fdp.device_put_replicated`",
+        lambda: ({"s": Checked(torch.zeros(4, 2))},),
+        lambda a: fdp.device_put_replicated(a[0], cpus(2)),
+        TypeError,
+        r"^fdp.device_put_replicated: tree\['s'\] is a Checked, which cannot hold fdp.PerReplica values in "
+        r"place of its tensors: .* Place its fields \(in a dict or a tuple\), and build the Checked from "
+        r"them inside the mapped function$",
     ),
     (
         "replicas returning different structures",

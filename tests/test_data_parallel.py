@@ -164,15 +164,23 @@ def test_dataclass_inputs_split_and_outputs_gathered() -> None:
     assert out.rows.tolist() == [3, 3, 3, 1]
 
 
-def test_zero_dim_outputs_with_dim_1() -> None:
-    """nn.DataParallel raises IndexError gathering 0-dim outputs along dim 1."""
+@pytest.mark.parametrize("n", [1, 2])
+def test_zero_dim_outputs_with_dim_1(n: int) -> None:
+    """nn.DataParallel raises IndexError gathering 0-dim outputs along dim 1. fdp.DataParallel
+    stacks them, for any dim: its one dim splits the inputs too, so that a loss computed in
+    forward has no out_axes entry of its own to take (fdp.pmap's out_axes past the stacked
+    vector's one dim is an error)."""
 
     class Loss(nn.Module):
         def forward(self, x):
             return x.sum()
 
-    out = fdp.DataParallel(Loss(), device_ids=cpus(2), dim=1)(torch.ones(2, 6))
-    torch.testing.assert_close(out, torch.tensor([6.0, 6.0]))
+    for dim in (1, -1):
+        model = fdp.DataParallel(Loss(), device_ids=cpus(n), dim=dim)
+        torch.testing.assert_close(model(torch.ones(2, 6)), torch.full((n,), 12.0 / n))
+        # An empty batch runs once, and its output is joined by the wrapper's rules, not
+        # fdp.gather's (which refuse out_axes 1 for a 0-dim output).
+        torch.testing.assert_close(model(torch.ones(2, 0)), torch.zeros(1))
 
 
 def test_non_tensor_outputs() -> None:

@@ -104,6 +104,24 @@ def test_one_tree_in_place_of_the_replicas_trees_is_refused(trees: object, got: 
         fdp.gather(trees, "cpu")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_zero_dim_values_stack_along_the_new_vectors_one_dim_only(n: int) -> None:
+    scalars = [torch.tensor(float(r)) for r in range(n)]
+    for out_axes in (0, -1):
+        assert fdp.gather(scalars, "cpu", out_axes=out_axes).tolist() == [float(r) for r in range(n)]
+    # out_axes=1 stacked along 0, silently (torch.nn.parallel.gather raises IndexError).
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp.gather: cannot stack output\[0\] along out_axes 1: the replicas returned "
+        + ", ".join([r"float32\[\]"] * n)
+        + r"; 0-dim outputs are stacked into a new vector with one entry per replica, and out_axes names "
+        r"a dim of it: a dim in \[-1, 0\] fits",
+    ):
+        fdp.gather([(s, s.expand(2)) for s in scalars], "cpu", out_axes=1)
+    stacked, joined = fdp.gather([(s, s.expand(2)[None]) for s in scalars], "cpu", out_axes=(0, 1))
+    assert stacked.shape == (n,) and joined.shape == (1, 2 * n)
+
+
 def test_nan_non_tensor_outputs_are_equal() -> None:
     # Replicas computing the same float NaN agree (float("nan") is a new object each time).
     out = fdp.gather([(torch.ones(1), float("nan")), (torch.ones(1), float("nan"))], "cpu")

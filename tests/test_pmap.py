@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 import threading
 import warnings
@@ -78,12 +79,82 @@ def test_not_callable_is_type_error() -> None:
 
 
 def test_an_option_passed_positionally_says_the_options_are_keyword_only() -> None:
-    # @fdp.pmap(0), a jax.pmap habit (in_axes is positional there): 0 lands in fn.
+    # @fdp.pmap(0), for in_axes=0 (torch.vmap's in_dims is positional there): 0 lands in fn.
     with pytest.raises(TypeError) as info:
         fdp.pmap(0, devices=cpus(2))  # type: ignore[call-overload]
     message = str(info.value)
     assert message.startswith("fdp.pmap: fn must be callable, got int: 0. "), message
-    assert "keyword-only" in message and "@fdp.pmap(in_axes=0, ...)" in message
+    assert "other than axis_name are keyword-only" in message and "@fdp.pmap(in_axes=0, ...)" in message
+
+
+def test_the_axis_name_may_come_second_positionally_as_in_jax() -> None:
+    # jax.pmap(fun, axis_name=None, *, in_axes=0, ...): pmap(f, "i") was "takes from 0 to 1
+    # positional arguments but 2 were given" here.
+    def center(x):
+        return x - fdp.pmean(x.mean(), "i")
+
+    x = torch.arange(6.0)
+    expected = x - x.mean()
+    spellings = {
+        "positional": fdp.pmap(center, "i", devices=cpus(2)),
+        "keyword": fdp.pmap(center, axis_name="i", devices=cpus(2)),
+        "decorator": fdp.pmap(axis_name="i", devices=cpus(2))(center),
+        # JAX's decorator with an axis name: @functools.partial(jax.pmap, axis_name="i").
+        "partial": functools.partial(fdp.pmap, axis_name="i", devices=cpus(2))(center),
+        "decorator, positional": fdp.pmap(None, "i", devices=cpus(2))(center),
+    }
+    for spelling, f in spellings.items():
+        assert f.axis_name == "i", spelling
+        torch.testing.assert_close(f(x), expected, msg=spelling)
+    model = nn.Linear(2, 2)
+    pm = fdp.pmap(model, "i", devices=cpus(2))
+    assert pm.axis_name == "i"
+    torch.testing.assert_close(pm(dict(model.named_parameters()), torch.ones(4, 2)), model(torch.ones(4, 2)))
+    assert fdp.pmap(center).axis_name is None  # still optional
+
+
+@pytest.mark.parametrize("spelling", ["call", "decorator", "partial"])
+def test_an_axis_name_where_the_function_belongs_says_where_it_goes(spelling: str) -> None:
+    # @fdp.pmap("i"), or partial(fdp.pmap, "i"): the name lands in fn, where "options are
+    # keyword-only" (the old advice) would now be wrong.
+    with pytest.raises(TypeError) as info:
+        if spelling == "call":
+            fdp.pmap("i")  # type: ignore[call-overload]
+        elif spelling == "decorator":
+
+            @fdp.pmap("i")  # type: ignore[call-overload, untyped-decorator]
+            def f(x):
+                return x
+        else:
+            functools.partial(fdp.pmap, "i")(lambda x: x)
+    assert str(info.value) == (
+        "fdp.pmap: fn must be callable, got str: 'i'. fdp.pmap takes the function first and the "
+        "axis name second, as jax.pmap does: fdp.pmap(f, 'i'); as a decorator, "
+        "@fdp.pmap(axis_name='i') (or @functools.partial(fdp.pmap, axis_name='i'))"
+    )
+
+
+@pytest.mark.parametrize(
+    ("axis_name", "in_axes"),
+    [((0, None), "(0, None)"), ([None, 0], "(None, 0)"), ((0, (None, 1)), "(0, (None, 1))")],
+)
+def test_in_axes_passed_where_the_axis_name_goes_is_refused(axis_name: Any, in_axes: str) -> None:
+    # fdp.pmap(f, (0, None)), torch.vmap's habit (in_dims second): taken as a name, in_axes would
+    # stay 0 and split the argument meant to go whole to every replica.
+    with pytest.raises(TypeError) as info:
+        fdp.pmap(lambda x, w: x @ w, axis_name, devices=cpus(2))
+    assert str(info.value).startswith(
+        f"fdp.pmap(test_in_axes_passed_where_the_axis_name_goes_is_refused.<locals>.<lambda>): "
+        f"axis_name is {axis_name!r}, which reads as an in_axes specification: fdp.pmap's second "
+        f"argument is the axis name, as jax.pmap's is (torch.vmap's is in_dims). Pass "
+        f"in_axes={in_axes} by keyword"
+    ), str(info.value)
+    with pytest.raises(TypeError, match=r"^fdp.pmap: axis_name is "):  # the decorator form
+        fdp.pmap(None, axis_name)
+    # Names that are no such specification stay names (jax.pmap takes any hashable).
+    for name in (0, ("layer", 1), ()):
+        f = fdp.pmap(lambda x, name=name: x * 0 + fdp.axis_index(name), name, devices=cpus(2))
+        assert f(torch.ones(2)).tolist() == [0.0, 1.0]
 
 
 # --- devices -----------------------------------------------------------------------------------
@@ -681,7 +752,7 @@ def test_out_axes_int_none_and_prefix(devices: list[str]) -> None:
 
 
 def test_zero_dim_outputs_are_stacked_one_per_replica(devices: list[str]) -> None:
-    for out_axes in (0, 1, -1):
+    for out_axes in (0, -1):  # the stacked vector's one dim
         f = fdp.pmap(lambda x: x.sum(), devices=devices, out_axes=out_axes)
         x = torch.arange(10.0)
         expected = torch.stack([c.sum() for c in x.chunk(len(devices))])
@@ -705,6 +776,24 @@ def test_output_containers_are_kept(devices: list[str]) -> None:
     assert list(out["od"]) == ["b", "a"] and out["list"][1] is None
     assert out["name"] == "same" and out["count"] == 3
     torch.testing.assert_close(out["dc"].y, x * 2)
+
+
+def test_an_object_holding_tensors_is_refused_only_where_replicas_return_their_own() -> None:
+    # Several replicas' Categoricals cannot be joined (docs/errors.md). One replica's comes back
+    # as it is (the whole batch's), and refusing it there would refuse a shared object too,
+    # which several replicas return once: nothing tells the two apart on one replica.
+    def policy(logits):
+        return torch.distributions.Categorical(logits=logits)
+
+    logits = torch.randn(4, 3)
+    own = fdp.pmap(policy, devices=cpus(1))(logits)
+    assert isinstance(own, torch.distributions.Categorical) and own.logits.shape == (4, 3)
+    with pytest.raises(TypeError, match=r"the replicas returned a Categorical holding tensors"):
+        fdp.pmap(policy, devices=cpus(2))(logits)
+    prior = torch.distributions.Categorical(logits=torch.zeros(3))
+    for n in (1, 2):
+        actions, shared = fdp.pmap(lambda x: (x.argmax(1), prior), devices=cpus(n))(logits)
+        assert shared is prior and actions.shape == (4,)
 
 
 def test_string_output_is_not_corrupted() -> None:
@@ -740,6 +829,31 @@ def test_out_axes_beyond_rank_is_an_error() -> None:
         f(torch.zeros(4, 3))
     # The dims that exist, for a jax.pmap habit (a new device axis) that out_axes does not have.
     assert "it inserts no new axis, unlike jax.pmap's): a dim in [-2, 1] fits" in str(info.value)
+
+
+def test_out_axes_past_the_stacked_dim_of_a_zero_dim_output_is_an_error(devices: list[str]) -> None:
+    # out_axes=5 (or 1) on a 0-dim output stacked it along 0, silently, where out_axes=1 on a
+    # vector is an error; on one replica as on several.
+    x = torch.ones(4, 6)
+    for out_axes in (5, 1, -2):
+        f = fdp.pmap(lambda x: {"loss": x.sum(), "y": x}, out_axes=out_axes, devices=devices)
+        with pytest.raises(ValueError) as info:
+            f(x)
+        kinds = ", ".join(["float32[]"] * len(x.chunk(len(devices))))  # one per replica that ran
+        assert str(info.value) == (
+            f"fdp.pmap(test_out_axes_past_the_stacked_dim_of_a_zero_dim_output_is_an_error.<locals>."
+            f"<lambda>): cannot stack output['loss'] along out_axes {out_axes}: the replicas returned "
+            f"{kinds}; 0-dim outputs are stacked into a new vector with one entry per replica, and "
+            f"out_axes names a dim of it: a dim in [-1, 0] fits (where the other outputs need out_axes "
+            f"{out_axes}, give this one its own entry in an out_axes tree prefix)"
+        )
+    # What the message advises: the 0-dim output's own entry in a tree prefix.
+    f = fdp.pmap(
+        lambda x: {"loss": x.sum(), "y": x}, in_axes=1, out_axes={"loss": 0, "y": 1}, devices=devices
+    )
+    out = f(x)
+    torch.testing.assert_close(out["y"], x)
+    torch.testing.assert_close(out["loss"], torch.stack([c.sum() for c in x.chunk(len(devices), 1)]))
 
 
 def test_unmapped_output_comes_from_the_output_device_replica() -> None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import re
 import threading
+from typing import Any
 
+import optree
 import pytest
 import torch
 from helpers import cpus
@@ -314,3 +318,87 @@ def test_device_put_replicated_refuses_state_placed_on_other_devices(n: int) -> 
         fdp.device_put_replicated(state, cpus(n))
     placed = fdp.device_put_replicated(fdp.unreplicate(state), cpus(n))  # the way out
     assert len(placed["w"]) == n
+
+
+@dataclasses.dataclass
+class Checked:
+    """Checks its field as it is built: its __post_init__ reads the tensor's shape."""
+
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.rows = self.x.shape[0]
+
+
+class Validated:
+    """A node registered with optree whose unflatten refuses anything but a tensor."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"w must be a tensor, got {type(w).__name__}")
+        self.w = w
+
+
+optree.register_pytree_node(
+    Validated, lambda v: ((v.w,), None), lambda _, children: Validated(*children), namespace=fdp.NAMESPACE
+)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize(
+    ("make", "path", "name", "raised"),
+    [
+        (lambda x: {"s": [Checked(x)], "y": x}, r"output\['s'\]\[0\]", "Checked", "AttributeError: 'Per"),
+        (lambda x: (x, Validated(x)), r"output\[1\]", "Validated", "TypeError: w must be a tensor, got Per"),
+        (lambda x: Checked(x), "output", "Checked", "AttributeError"),
+    ],
+    ids=["dataclass", "registered node", "root"],
+)
+def test_a_node_that_checks_its_fields_under_per_replica_is_named(
+    n: int, make: Any, path: str, name: str, raised: str
+) -> None:
+    # It raised a bare AttributeError ('PerReplica' object has no attribute 'shape') from inside
+    # the user's class, naming neither the call nor the output.
+    f = fdp.pmap(make, out_axes=fdp.PER_REPLICA, devices=cpus(n))
+    with pytest.raises(TypeError) as info:
+        f(torch.ones(4))
+    assert re.match(
+        rf"fdp.pmap\(\S*<lambda>\): {path} is a {name}, which cannot hold fdp.PerReplica values in place of "
+        rf"its tensors: rebuilt with them, it raised {raised}.*\. out_axes fdp.PER_REPLICA keeps each of the "
+        rf"output's tensors on its replica, as a fdp.PerReplica in the output's own containers. Return the "
+        rf"{name}'s fields in a dict or a tuple \(and build a {name} from fdp.unreplicate of them where one "
+        rf"is needed\), or give it out_axes None or 0 in an out_axes tree prefix$",
+        str(info.value),
+    ), str(info.value)
+    # What the message advises works.
+    fields = fdp.pmap(lambda x: {"x": x}, out_axes=fdp.PER_REPLICA, devices=cpus(n))(torch.ones(4))
+    assert Checked(**fdp.unreplicate(fields)).rows == 4 // n
+    out = fdp.pmap(lambda x: (x, Validated(x)), out_axes=(fdp.PER_REPLICA, 0), devices=cpus(n))(torch.ones(4))
+    assert isinstance(out[1], Validated) and out[1].w.shape == (4,)
+
+
+def test_a_packed_sequence_under_per_replica_is_named() -> None:
+    # PackedSequence checks its fields' devices as it is built: "'PerReplica' object has no
+    # attribute 'device'" before. (Under an int axis its own error says why it cannot be joined.)
+    packed = fdp.pmap(
+        lambda x, n: {"h": torch.nn.utils.rnn.pack_padded_sequence(x, n, True, False)},
+        out_axes=fdp.PER_REPLICA,
+        devices=cpus(2),
+    )
+    with pytest.raises(TypeError, match=r"output\['h'\] is a PackedSequence, .* give it out_axes None in an"):
+        packed(torch.zeros(3, 4, 2), torch.tensor([4, 2, 3]))
+
+
+def test_device_put_replicated_names_a_node_that_checks_its_fields() -> None:
+    with pytest.raises(TypeError) as info:
+        fdp.device_put_replicated({"s": Checked(torch.ones(3))}, cpus(2))
+    assert str(info.value) == (
+        "fdp.device_put_replicated: tree['s'] is a Checked, which cannot hold fdp.PerReplica values in "
+        "place of its tensors: rebuilt with them, it raised AttributeError: 'PerReplica' object has no "
+        "attribute 'shape'. Place its fields (in a dict or a tuple), and build the Checked from them "
+        "inside the mapped function"
+    )
+    with pytest.raises(
+        TypeError, match=r"^fdp.device_put_replicated: tree\[0\] is a Validated, .*got PerReplica"
+    ):
+        fdp.device_put_replicated([Validated(torch.ones(3))], cpus(2))

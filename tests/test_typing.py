@@ -46,6 +46,11 @@ SNIPPET = textwrap.dedent(
     pf(x, m=2)  # error: call-arg
     reveal_type(pf.devices)  # reveals: tuple[device, ...]
     fdp.pmap(f, split="even")  # error: call-overload
+    # The axis name second, positionally, as in jax.pmap; it is no function.
+    named = fdp.pmap(f, "i", in_axes=(0, None))
+    reveal_type(named)  # reveals: Pmapped[[x: Tensor, n: int =], tuple[Tensor, int]]
+    fdp.pmap("i")  # error: call-overload
+    fdp.pmap(f, ["i"])  # error: call-overload
 
     @fdp.pmap
     def double(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +68,8 @@ SNIPPET = textwrap.dedent(
     # A module is called with its parameters (and buffers) first.
     pm = fdp.pmap(model, devices=["cpu", "cpu"])
     reveal_type(pm)  # reveals: Pmapped[[dict[str, Any] | Sequence[dict[str, Any]], *Any, **Any], Any]
+    pmi = fdp.pmap(model, "i")
+    reveal_type(pmi)  # reveals: Pmapped[[dict[str, Any] | Sequence[dict[str, Any]], *Any, **Any], Any]
     pm(params, x)
     pm([params, dict(model.named_buffers())], x)
     pm(x)  # error: arg-type
