@@ -7,8 +7,8 @@ The public API is re-exported here from private modules, one job each:
   :func:`parallel_apply` (``_parallel_apply``): the ``nn.parallel`` primitives, pytree-generic
   and differentiable, on CPU and CUDA devices.
 * :func:`psum`, :func:`pmean`, :func:`pmax`, :func:`pmin`, :func:`all_gather`,
-  :func:`ppermute`, :func:`axis_index`, :func:`axis_size` (``_collectives``): collectives inside
-  mapped functions.
+  :func:`psum_scatter`, :func:`all_to_all`, :func:`ppermute`, :func:`axis_index`,
+  :func:`axis_size` (``_collectives``): collectives inside mapped functions.
 * :func:`functional_call` (``_functional_call``): a thread-safe ``torch.func.functional_call``.
 * :class:`SyncBatchNorm` (``_batch_norm``): batch normalization over the replicas of an axis.
 """
@@ -21,7 +21,18 @@ check_torch(torch.__version__)  # before anything reads torch's internals
 
 from . import distributed, optim
 from ._batch_norm import SyncBatchNorm
-from ._collectives import all_gather, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum
+from ._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+)
 from ._data_parallel import DataParallel
 from ._functional_call import functional_call, stateful_call
 from ._gather import gather
@@ -41,6 +52,7 @@ __all__ = [
     "Pmapped",
     "SyncBatchNorm",
     "all_gather",
+    "all_to_all",
     "axis_index",
     "axis_size",
     "device_put_replicated",
@@ -56,6 +68,7 @@ __all__ = [
     "pmin",
     "ppermute",
     "psum",
+    "psum_scatter",
     "replica_seed",
     "replicate",
     "rng_checkpoint_context",

@@ -1,4 +1,5 @@
-"""Collectives inside mapped functions: psum, pmean, pmax, pmin, all_gather, ppermute, axis_index, axis_size.
+"""Collectives inside mapped functions: psum, pmean, pmax, pmin, all_gather, psum_scatter,
+all_to_all, ppermute, axis_index, axis_size.
 
 Every collective takes a pytree. Its tensor leaves are coalesced into one flat buffer per
 (device, dtype) (:class:`_Packed`), the replicas meet once in the call group's exchange
@@ -22,8 +23,8 @@ Differentiation, two ways:
 * Inside a replica, under ``torch.func.grad``/``vjp``/``vmap``: the collective is a custom
   autograd function whose backward is the transposed collective, run by every replica's
   backward together (psum <-> psum, pmean <-> pmean, all_gather <-> psum_scatter,
-  ppermute <-> the inverse permutation; pmax/pmin send the cotangent to the replicas that held
-  the extreme value), as in ``jax.pmap``.
+  all_to_all <-> itself, ppermute <-> the inverse permutation; pmax/pmin send the cotangent to
+  the replicas that held the extreme value), as in ``jax.pmap``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ __all__ = [
     "pmax",
     "pmin",
     "all_gather",
+    "psum_scatter",
+    "all_to_all",
     "ppermute",
     "axis_index",
     "axis_size",
@@ -140,16 +143,46 @@ class _Packed:
     tensor that is not floating-point or complex is an error); ``"ordered"`` (``pmax``/``pmin``:
     a complex tensor is an error, named here rather than by torch's kernel, which cannot order
     complex numbers and names neither the collective nor the leaf).
+
+    With ``rows`` (``psum_scatter``, ``all_to_all``: every leaf's first dim has that size, one
+    row per replica), each buffer is a matrix of ``rows`` rows, the leaves side by side: row
+    ``j`` holds what goes to replica ``j``, so that the op hands out rows of one tensor. Slots
+    then count columns.
     """
 
-    __slots__ = ("tree", "treespec", "leaves", "slots", "keys", "members", "buffers", "aliased", "whole")
+    __slots__ = (
+        "tree",
+        "treespec",
+        "leaves",
+        "given",
+        "slots",
+        "keys",
+        "members",
+        "buffers",
+        "aliased",
+        "whole",
+        "rows",
+    )
 
-    def __init__(self, tree: Any, caller: str, device: torch.device, numbers: str = "as_is") -> None:
+    def __init__(
+        self,
+        tree: Any,
+        caller: str,
+        device: torch.device,
+        numbers: str = "as_is",
+        *,
+        rows: int | None = None,
+        given: Sequence[Any] | None = None,
+    ) -> None:
         leaves, treespec = _tree.flatten(tree)
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
         self.treespec = treespec
         self.leaves = list(leaves)
+        # The leaves as the caller passed them, for messages (psum_scatter and all_to_all pack
+        # them reshaped).
+        self.given = self.leaves if given is None else given
+        self.rows = rows
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):
@@ -210,11 +243,15 @@ class _Packed:
             for b, members in enumerate(self.members):
                 offset = 0
                 for k in members:
-                    numel = self.leaves[k].numel()
+                    numel = self.leaves[k].numel() if rows is None else self.leaves[k][0].numel()
                     self.slots[k] = (b, offset, numel)
                     offset += numel
                 self.whole.append(all([self.slots[k][2] for k in members]))
-                if len(members) == 1:
+                if rows is not None:
+                    # (An explicit column count: reshape cannot infer it for an empty leaf.)
+                    matrices = [self.leaves[k].reshape(rows, self.slots[k][2]) for k in members]
+                    self.buffers.append(matrices[0] if len(members) == 1 else torch.cat(matrices, dim=1))
+                elif len(members) == 1:
                     self.buffers.append(self.leaves[members[0]].reshape(-1))
                 elif untransformed:
                     # One call, one release of the GIL: a reshape and a cat per leaf cost a GIL
@@ -309,7 +346,7 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
         if packed.metadata() == first.metadata():
             continue
         paths = _tree.flatten_with_paths(first.tree, "x")[0]
-        for k, (a, b) in enumerate(zip(first.leaves, packed.leaves)):
+        for k, (a, b) in enumerate(zip(first.given, packed.given)):
             if (a.dtype, a.shape) != (b.dtype, b.shape):
                 raise ValueError(
                     f"{caller}: the replicas passed different shapes or dtypes at {paths[k]}: "
@@ -670,7 +707,8 @@ class _AllGather(_Op):
 
 
 class _ReduceScatter(_Op):
-    """result_r = (sum_j x_j)[r] for x_j of shape (n, ...); transpose: all_gather."""
+    """result_r = (sum_j x_j)[r] for x_j of shape (n, ...); transpose: all_gather (which
+    stacks the replicas' values into the rows of one such tensor)."""
 
     name = "fdp.psum_scatter"
     in_dim, out_dim = 1, 0
@@ -689,6 +727,34 @@ class _ReduceScatter(_Op):
             total = _distributed.all_reduce(total, "sum", self.label(), layout=layout)
         total = total.to(buffers[0].dtype)
         return [_transfer.to_device(total[group.offset + r], b.device).clone() for r, b in enumerate(buffers)]
+
+
+class _AllToAll(_Op):
+    """result_r[i] = x_i[r] for x_i of shape (n, ...): replica i's row r goes to replica r, as
+    its row i; its own transpose."""
+
+    name = "fdp.all_to_all"
+    in_dim = out_dim = 1
+
+    def combine(
+        self,
+        buffers: list[torch.Tensor],
+        extras: list[Any],
+        group: _replica.CallGroup,
+        layout: _distributed.Layout | None = None,
+    ) -> list[torch.Tensor]:
+        if group.distributed:
+            # Across processes every buffer is gathered first (simple, not the cheapest way).
+            everyone = _gathered(buffers, group, self.name, layout)
+            return [
+                _transfer.to_device(everyone[:, group.offset + r], b.device).clone()
+                for r, b in enumerate(buffers)
+            ]
+        # Each row goes straight to the device of the replica that gets it; stack copies them
+        # into a tensor of that replica's own.
+        return [
+            torch.stack([_transfer.to_device(x[r], b.device) for x in buffers]) for r, b in enumerate(buffers)
+        ]
 
 
 class _Permute(_Op):
@@ -857,6 +923,8 @@ class _Spmd(torch.autograd.Function):
             result = _Spmd.apply(op.transposed(_ReduceScatter()), context, None, None, *grads)
         elif isinstance(op, _ReduceScatter):
             result = _Spmd.apply(op.transposed(_AllGather()), context, None, None, *grads)
+        elif isinstance(op, _AllToAll):
+            result = _Spmd.apply(op.transposed(_AllToAll()), context, None, None, *grads)
         else:
             assert isinstance(op, _Permute)
             result = _Spmd.apply(op.inverse(), context, None, None, *grads)
@@ -980,12 +1048,19 @@ def _joined(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @_thread_state.without_autocast
 def _run(
-    op: _Op, tree: Any, axis_name: Hashable, extra: Any = None, *, numbers: str = "as_is"
+    op: _Op,
+    tree: Any,
+    axis_name: Hashable,
+    extra: Any = None,
+    *,
+    numbers: str = "as_is",
+    rows: int | None = None,
+    given: Sequence[Any] | None = None,
 ) -> tuple[_Packed, list[torch.Tensor]]:
-    """Packs ``tree`` (``numbers``: see :class:`_Packed`) and runs ``op`` in the mode that fits
-    how the replica differentiates."""
+    """Packs ``tree`` (``numbers``, ``rows``, ``given``: see :class:`_Packed`) and runs ``op``
+    in the mode that fits how the replica differentiates."""
     context = _bound(axis_name, op.name)
-    packed = _Packed(tree, op.name, context.device, numbers)
+    packed = _Packed(tree, op.name, context.device, numbers, rows=rows, given=given)
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
     if context.group.size == 1 and op.keeps_lone_value(context.group, extra, packed):
@@ -1221,14 +1296,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
                 [[3., 4.]]])
     """
     caller = "fdp.all_gather"
-    try:
-        if isinstance(dim, bool):  # (an index to operator.index, but no dim)
-            raise TypeError
-        dim = operator.index(dim)  # an int, or a NumPy integer
-    except TypeError:
-        raise TypeError(
-            f"{caller}: dim must be an int, got {type(dim).__name__}: {_tree.short_repr(dim)}"
-        ) from None
+    dim = _dim_argument(dim, caller, "dim")
     context = _bound(axis_name, caller)
     n = context.group.global_size
 
@@ -1255,6 +1323,193 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
         d = check_dim(k, leaf)
         stacked = piece.reshape(n, *leaf.shape).movedim(0, d)
         return stacked.flatten(d, d + 1) if tiled else stacked
+
+    return packed.unpack(results, leaf_result)
+
+
+def _dim_argument(dim: Any, caller: str, name: str) -> int:
+    """``dim`` as an int (a Python or NumPy integer), or a TypeError naming the call."""
+    try:
+        if isinstance(dim, bool):  # (an index to operator.index, but no dim)
+            raise TypeError
+        return operator.index(dim)
+    except TypeError:
+        raise TypeError(
+            f"{caller}: {name} must be an int, got {type(dim).__name__}: {_tree.short_repr(dim)}"
+        ) from None
+
+
+def _in_rows(
+    x: Any, caller: str, n: int, axis_name: Hashable, dim: int, tiled: bool, name: str
+) -> tuple[Any, list[Any]]:
+    """``x`` with each leaf's dim ``dim`` cut into ``n`` rows, one per replica, for
+    :class:`_Packed`'s ``rows``; and ``x``'s leaves. Untiled, that dim must have size ``n``;
+    tiled, a multiple of it.
+
+    Each leaf becomes a tensor of shape ``(n, *chunk)``, ``chunk`` being the leaf with dim
+    ``dim`` moved first and cut into ``n`` (tiled), or removed (untiled).
+    """
+    paths, leaves, spec = _tree.flatten_with_paths(x, "x")
+    rows = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            what = _tree.describe(leaf) if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
+            raise TypeError(
+                f"{caller} splits tensors into one piece per replica along {name}={dim}, but "
+                f"{path} is {what}, which has no dim to split"
+            )
+        rank = leaf.dim()
+        if not -rank <= dim < rank:
+            raise ValueError(
+                f"{caller}: {name}={dim} is out of range for {path}, of type "
+                f"{_tree.describe(leaf)} (a dim in [{-rank}, {rank - 1}] fits)"
+            )
+        size = leaf.shape[dim]
+        if size % n if tiled else size != n:
+            raise ValueError(
+                f"{caller}: {path}, of type {_tree.describe(leaf)}, has size {size} along "
+                f"{name}={dim}, but "
+                + (
+                    f"a tiled {caller} cuts it into {n} equal pieces"
+                    if tiled
+                    else f"an untiled {caller} needs {n}"
+                )
+                + f", one {'piece' if tiled else 'row'} per replica of axis {axis_name!r} "
+                f"(fdp.axis_size({axis_name!r}) is {n})"
+                + ("" if tiled else "; with tiled=True any multiple of it fits")
+            )
+        moved = leaf.movedim(dim, 0)
+        rows.append(moved.unflatten(0, (n, size // n)) if tiled else moved)
+    return _tree.unflatten(spec, rows), leaves
+
+
+@overload
+def psum_scatter(
+    x: torch.Tensor, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
+) -> torch.Tensor: ...
+@overload
+def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any: ...
+
+
+@eager_under_compile
+def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any:
+    """Sums ``x`` over the replicas of ``axis_name`` and gives each replica its piece of the sum.
+
+    The reduce-scatter of ``jax.lax.psum_scatter``: replica ``r`` gets piece ``r`` of the sum
+    along ``dim``, where :func:`fdp.psum` would give every replica the whole sum. Its transpose
+    is :func:`fdp.all_gather` (with the same ``dim`` and ``tiled``), and the pair is the
+    sharded form of a ``psum``: each replica updates its piece, then gathers the others'.
+
+    Args:
+        x: a pytree of tensors, of equal shapes on every replica.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        dim: the dim cut into pieces. Untiled, its size must be :func:`fdp.axis_size` and it
+            is removed (replica ``r`` gets ``sum[r]`` along it); tiled, its size must be a
+            multiple of the axis size and replica ``r`` gets the ``r``-th of that many equal
+            pieces. Default: ``0``.
+        tiled: cut into pieces instead of rows. Default: ``False``.
+
+    Returns:
+        A tree like ``x``: each leaf this replica's piece of the sum, on the device of the leaf.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+        TypeError: a leaf is not a tensor of rank 1 or more.
+        ValueError: ``dim`` is out of range, or of the wrong size for the axis; the replicas
+            passed different structures, shapes or dtypes.
+
+    Examples:
+        >>> import torch, fdp
+        >>> f = fdp.pmap(lambda x: fdp.psum_scatter(x[0], "i"), axis_name="i", devices=["cpu"] * 2)
+        >>> f(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))  # sums [4., 6.], one entry per replica
+        tensor([4., 6.])
+        >>> g = fdp.pmap(lambda x: fdp.psum_scatter(x, "i", tiled=True), axis_name="i", devices=["cpu"] * 2)
+        >>> g(torch.arange(8.0))  # each replica sums [0, 1, 2, 3] and [4, 5, 6, 7], keeps a half
+        tensor([ 4.,  6.,  8., 10.])
+    """
+    caller = "fdp.psum_scatter"
+    dim = _dim_argument(dim, caller, "dim")
+    n = _bound(axis_name, caller).group.global_size
+    rows, given = _in_rows(x, caller, n, axis_name, dim, tiled, "dim")
+    packed, results = _run(_ReduceScatter(), rows, axis_name, numbers="count", rows=n, given=given)
+
+    def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
+        mine = piece.reshape(packed.leaves[k].shape[1:])  # the leaf's row (tiled: its piece)
+        return mine.movedim(0, dim % given[k].dim()) if tiled else mine
+
+    return packed.unpack(results, leaf_result)
+
+
+@overload
+def all_to_all(
+    x: torch.Tensor, axis_name: Hashable, split_dim: int, concat_dim: int, *, tiled: bool = False
+) -> torch.Tensor: ...
+@overload
+def all_to_all(
+    x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, tiled: bool = False
+) -> Any: ...
+
+
+@eager_under_compile
+def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, tiled: bool = False) -> Any:
+    """Cuts ``x`` into one piece per replica along ``split_dim`` and sends piece ``j`` to replica ``j``.
+
+    As ``jax.lax.all_to_all``: replica ``r`` gets piece ``r`` of every replica's ``x``, in
+    replica order along ``concat_dim``. The exchange of expert and sequence parallelism (a
+    mixture-of-experts layer sends each token to its expert's replica, and back). Its own
+    transpose, with the two dims swapped.
+
+    Args:
+        x: a pytree of tensors, of equal shapes on every replica.
+        axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        split_dim: the dim of ``x`` cut into pieces. Untiled, its size must be
+            :func:`fdp.axis_size` (one row per replica) and it is removed; tiled, a multiple of
+            the axis size.
+        concat_dim: where the received pieces go, in replica order. Untiled, a new dim of size
+            ``axis_size`` at ``concat_dim`` of the result (which has ``x``'s rank); tiled, the
+            pieces are concatenated along the existing ``concat_dim``.
+        tiled: cut into pieces and concatenate, instead of removing and inserting a dim.
+            Default: ``False``.
+
+    Returns:
+        A tree like ``x``. Untiled, each leaf has the shape of ``x``'s leaf with ``split_dim``
+        removed and a dim of size ``axis_size`` inserted at ``concat_dim``; tiled, with
+        ``split_dim`` divided by the axis size and ``concat_dim`` multiplied by it.
+
+    Raises:
+        NameError: outside a function mapped with this ``axis_name``.
+        TypeError: a leaf is not a tensor of rank 1 or more.
+        ValueError: a dim is out of range, or ``split_dim`` of the wrong size for the axis;
+            the replicas passed different structures, shapes or dtypes.
+
+    Examples:
+        >>> import torch, fdp
+        >>> swap = fdp.pmap(lambda x: fdp.all_to_all(x[0], "i", 0, 0), axis_name="i", devices=["cpu"] * 2)
+        >>> swap(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))  # replica 0 gets [1, 3], replica 1 [2, 4]
+        tensor([1., 3., 2., 4.])
+    """
+    caller = "fdp.all_to_all"
+    split_dim = _dim_argument(split_dim, caller, "split_dim")
+    concat_dim = _dim_argument(concat_dim, caller, "concat_dim")
+    n = _bound(axis_name, caller).group.global_size
+    rows, given = _in_rows(x, caller, n, axis_name, split_dim, tiled, "split_dim")
+    for path, leaf in zip(_tree.flatten_with_paths(x, "x")[0], given):
+        rank = leaf.dim()  # the result's rank too
+        if not -rank <= concat_dim < rank:
+            raise ValueError(
+                f"{caller}: concat_dim={concat_dim} is out of range for {path}, of type "
+                f"{_tree.describe(leaf)} (the result has rank {rank}: a dim in [{-rank}, {rank - 1}] fits)"
+            )
+    packed, results = _run(_AllToAll(), rows, axis_name, rows=n, given=given)
+
+    def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
+        rank = given[k].dim()
+        received = piece.reshape(packed.leaves[k].shape)  # (n, *chunk): row i from replica i
+        if not tiled:
+            return received.movedim(0, concat_dim % rank)
+        # Each piece back in the leaf's layout, then the pieces side by side along concat_dim.
+        d = concat_dim % rank
+        return received.movedim(1, split_dim % rank + 1).movedim(0, d).flatten(d, d + 1)
 
     return packed.unpack(results, leaf_result)
 

@@ -97,6 +97,20 @@ def collectives(rank: int, world: int, folder: str) -> None:
         out["all_gather_outer_grad"] = float(w.grad)
         inner = f(lambda x: torch.func.grad(lambda x: (fdp.all_gather(x.sum(), "i") * c).sum())(x))(shard)
         out["all_gather_inner_grad"] = inner.flatten().tolist()
+        # psum_scatter and all_to_all over the 4 replicas, and their transposes inside.
+        a = torch.arange(1.0, 5.0)
+        out["psum_scatter"] = f(lambda x: fdp.psum_scatter(x.sum() * a, "i"))(shard).tolist()
+        out["all_to_all"] = f(lambda x: fdp.all_to_all(x.sum() * 10 + a - 1, "i", 0, 0)[None])(shard).tolist()
+        inner = f(
+            lambda x: torch.func.grad(lambda x: fdp.psum_scatter(x.sum() * a, "i") * c[fdp.axis_index("i")])(
+                x
+            )
+        )(shard)
+        out["psum_scatter_inner_grad"] = inner.flatten().tolist()
+        inner = f(lambda x: torch.func.grad(lambda x: (fdp.all_to_all(x.sum() * a, "i", 0, 0) * c).sum())(x))(
+            shard
+        )
+        out["all_to_all_inner_grad"] = inner.flatten().tolist()
         # A call inside rng_scope: replica r of the scope's k-th call draws in
         # fold_in(fold_in(seed, k), r), r its global index, so no two of the 4 replicas alike.
         with fdp.rng_scope(11):

@@ -337,6 +337,239 @@ def test_all_gather_bad_dim_names_the_leaf() -> None:
         per_row(lambda x: fdp.all_gather((x, x[0]), "i", dim=-3))(rows())
 
 
+# --- psum_scatter and all_to_all -----------------------------------------------------------------
+#
+# Oracles: the replicas' values stacked into one tensor (replica i's is values[i]), cut and
+# summed or swapped with torch ops on one device, as jax.lax.psum_scatter and all_to_all define.
+
+
+def scattered_sums(values: torch.Tensor, dim: int, tiled: bool) -> list[torch.Tensor]:
+    """Each replica's piece of the sum (psum_scatter's oracle)."""
+    total = values.sum(0)
+    return list(total.chunk(len(values), dim) if tiled else total.unbind(dim))
+
+
+def swapped(values: torch.Tensor, split: int, concat: int, tiled: bool) -> list[torch.Tensor]:
+    """Each replica's result of an all_to_all (its oracle)."""
+    n = len(values)
+    pieces = [[v.chunk(n, split)[r] if tiled else v.select(split, r) for v in values] for r in range(n)]
+    return [torch.cat(p, concat) if tiled else torch.stack(p, concat) for p in pieces]
+
+
+def values_for(shape: list[int], dim: int, tiled: bool, n: int = 3) -> torch.Tensor:
+    """n replicas' random values of ``shape``, with ``dim`` of size n (tiled: 2 n)."""
+    shape = list(shape)
+    shape[dim] = 2 * n if tiled else n
+    return torch.randn(n, *shape, dtype=torch.float64, requires_grad=True)
+
+
+def check_against(
+    oracle: Callable[[torch.Tensor], list[torch.Tensor]],
+    collective: Callable[[Any], Any],
+    values: torch.Tensor,
+) -> None:
+    """``collective`` in n replicas against ``oracle``: values, the gradient of a backward
+    through the call, and the gradient inside the replicas under torch.func.grad (the transpose)."""
+    n = len(values)
+    mapped = fdp.pmap(lambda v: collective(v[0])[None], axis_name="i", devices=cpus(n))
+    out, expected = mapped(values), torch.stack(oracle(values))
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected)
+    weights = torch.randn_like(expected)
+    (grad,) = torch.autograd.grad((out * weights).sum(), values)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), values)
+    torch.testing.assert_close(grad, expected_grad)
+
+    def inner(v: torch.Tensor) -> torch.Tensor:
+        # Replica r weighs its result by weights[r]: the transpose must route each cotangent back.
+        loss = lambda v: (collective(v) * weights[fdp.axis_index("i")]).sum()  # noqa: E731
+        return torch.func.grad(loss)(v[0])[None]
+
+    inside = fdp.pmap(inner, axis_name="i", devices=cpus(n))(values.detach())
+    torch.testing.assert_close(inside, expected_grad)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_psum_scatter_is_the_sum_cut_into_pieces(dim: int, tiled: bool) -> None:  # JAX: testReduceScatter*
+    values = values_for([2, 5, 4], dim, tiled)
+    check_against(
+        lambda v: scattered_sums(v, dim, tiled),
+        lambda x: fdp.psum_scatter(x, "i", dim=dim, tiled=tiled),
+        values,
+    )
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize(("split", "concat"), [(0, 0), (0, 2), (2, 0), (1, -1), (-1, 1)])
+def test_all_to_all_swaps_pieces_between_replicas(
+    split: int, concat: int, tiled: bool
+) -> None:  # JAX: testAllToAll*
+    values = values_for([2, 5, 4], split, tiled)
+    check_against(
+        lambda v: swapped(v, split, concat, tiled),
+        lambda x: fdp.all_to_all(x, "i", split, concat, tiled=tiled),
+        values,
+    )
+
+
+@pytest.mark.parametrize("collective", ["psum_scatter", "all_to_all"])
+def test_psum_scatter_and_all_to_all_under_vmap_inside_the_replicas(collective: str) -> None:
+    values = values_for([3, 4], 0, False)
+    if collective == "psum_scatter":
+        op, oracle = (lambda x: fdp.psum_scatter(x, "i")), scattered_sums(values, 0, False)
+    else:
+        op, oracle = (lambda x: fdp.all_to_all(x, "i", 0, 1)), swapped(values, 0, 1, False)
+    # vmap over 2 rows (the values, then twice them) inside each replica.
+    mapped = fdp.pmap(
+        lambda v: torch.func.vmap(op)(torch.stack([v[0], 2 * v[0]]))[None], axis_name="i", devices=cpus(3)
+    )
+    out = mapped(values.detach())
+    expected = torch.stack(oracle).detach()
+    torch.testing.assert_close(out, torch.stack([expected, 2 * expected], 1))
+
+
+def test_psum_scatter_of_a_tree_sums_each_leaf_in_its_dtype() -> None:
+    # Leaves of three dtypes packed in one exchange (two float32 leaves share a buffer), booleans
+    # counted as in psum, an empty leaf.
+    def f(x: torch.Tensor) -> Any:
+        r = fdp.axis_index("i")
+        tree = {
+            "a": x[0].reshape(2, 2),
+            "b": torch.arange(6).reshape(2, 3) * (r + 1),
+            "flags": torch.tensor([[True], [r == 0]]),
+            "c": x[0].reshape(2, 2) * 10,
+            "empty": torch.zeros(2, 0),
+        }
+        return {k: v[None] for k, v in fdp.psum_scatter(tree, "i").items()}
+
+    x = torch.arange(8.0).reshape(2, 4)
+    out = fdp.pmap(f, axis_name="i", devices=cpus(2))(x)
+    total = x.sum(0).reshape(2, 2)
+    torch.testing.assert_close(out["a"], total)
+    torch.testing.assert_close(out["c"], total * 10)
+    assert torch.equal(out["b"], torch.arange(6).reshape(2, 3) * 3)
+    assert torch.equal(out["flags"], torch.tensor([[2], [1]]))
+    assert out["empty"].shape == (2, 0)
+
+
+def test_psum_scatter_then_all_gather_is_psum() -> None:
+    # The sharded form of a psum (ZeRO's gradient reduction): each replica reduces its piece,
+    # then gathers the others'.
+    x = torch.randn(4, 8)
+
+    def sharded(x: torch.Tensor) -> torch.Tensor:
+        piece = fdp.psum_scatter(x[0], "i", tiled=True)
+        return fdp.all_gather(piece, "i", tiled=True)[None]
+
+    out = fdp.pmap(sharded, axis_name="i", devices=cpus(4))(x)
+    torch.testing.assert_close(out, x.sum(0, keepdim=True).expand(4, -1))
+
+
+def test_all_to_all_twice_with_dims_swapped_is_the_identity() -> None:
+    x = torch.randn(3, 3, 6)  # each replica: (1, 3, 6)
+    back_and_forth = lambda x: fdp.all_to_all(fdp.all_to_all(x, "i", 1, 2, tiled=True), "i", 2, 1, tiled=True)  # noqa: E731
+    assert torch.equal(fdp.pmap(back_and_forth, axis_name="i", devices=cpus(3))(x), x)
+
+
+def test_mixture_of_experts_layer_of_the_docs() -> None:
+    # docs/collectives.md: each replica holds one expert; tokens[i, j] (replica i's slot for
+    # expert j) goes to replica j, through its expert, and back.
+    @fdp.pmap(axis_name="experts", in_axes=(0, 0), devices=cpus(4))
+    def moe_layer(expert_w: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        arrived = fdp.all_to_all(tokens[0], "experts", 0, 0)
+        processed = arrived @ expert_w[0]
+        return fdp.all_to_all(processed, "experts", 0, 0)[None]
+
+    weights, tokens = torch.randn(4, 5, 5), torch.randn(4, 4, 3, 5)
+    torch.testing.assert_close(moe_layer(weights, tokens), torch.einsum("ijcd,jde->ijce", tokens, weights))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda x: fdp.psum_scatter(x, "i"),
+            ValueError,
+            (
+                "x, of type float32[3,2], has size 3 along dim=0, but an untiled "
+                "fdp.psum_scatter needs 2, one row per replica of axis 'i' (fdp.axis_size('i') is 2); "
+                "with tiled=True"
+            ),
+        ),
+        (
+            lambda x: fdp.psum_scatter({"w": x[:, :1]}, "i", dim=1, tiled=True),
+            ValueError,
+            "x['w'], of type float32[3,1], has size 1 along dim=1, but a tiled",
+        ),
+        (
+            lambda x: fdp.psum_scatter({"w": x}, "i", tiled=True),
+            ValueError,
+            (
+                "x['w'], of type float32[3,2], has size 3 along dim=0, but a tiled "
+                "fdp.psum_scatter cuts it into 2 equal pieces"
+            ),
+        ),
+        (
+            lambda x: fdp.psum_scatter([x.sum()], "i"),
+            TypeError,
+            (
+                "fdp.psum_scatter splits tensors into one piece per replica along dim=0, but "
+                "x[0] is float32[], which has no dim to split"
+            ),
+        ),
+        (lambda x: fdp.psum_scatter(2.0, "i"), TypeError, "but x is a float, which has no dim"),
+        (
+            lambda x: fdp.psum_scatter(x, "i", dim=2),
+            ValueError,
+            "fdp.psum_scatter: dim=2 is out of range for x, of type float32[3,2] (a dim in [-2, 1] fits)",
+        ),
+        (
+            lambda x: fdp.psum_scatter(x, "i", dim="0"),
+            TypeError,
+            "fdp.psum_scatter: dim must be an int, got str: '0'",
+        ),
+        (
+            lambda x: fdp.all_to_all(x, "i", 1, 2),
+            ValueError,
+            (
+                "fdp.all_to_all: concat_dim=2 is out of range for x, of type float32[3,2] (the "
+                "result has rank 2: a dim in [-2, 1] fits)"
+            ),
+        ),
+        (
+            lambda x: fdp.all_to_all(x, "i", -3, 0),
+            ValueError,
+            "fdp.all_to_all: split_dim=-3 is out of range for x",
+        ),
+        (
+            lambda x: fdp.all_to_all(x, "i", 0, 0),
+            ValueError,
+            "x, of type float32[3,2], has size 3 along split_dim=0, but an untiled fdp.all_to_all needs 2",
+        ),
+        (
+            lambda x: fdp.all_to_all(x, "i", 0, True),
+            TypeError,
+            "fdp.all_to_all: concat_dim must be an int, got bool: True",
+        ),
+    ],
+)
+def test_psum_scatter_and_all_to_all_bad_input(call: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=re.escape(match)):
+        fdp.pmap(call, axis_name="i", devices=cpus(2))(torch.ones(6, 2))
+
+
+def test_psum_scatter_names_different_shapes_as_the_replicas_passed_them() -> None:
+    # Packed as (n, ...) rows, the message still shows the shapes the replicas passed.
+    f = lambda x: fdp.psum_scatter(torch.ones(3, 2 + 2 * fdp.axis_index("i")), "i", dim=1, tiled=True)  # noqa: E731
+    message = (
+        "fdp.psum_scatter: the replicas passed different shapes or dtypes at x: replica "
+        "0 passed float32[3,2] but replica 1 passed float32[3,4]"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fdp.pmap(f, axis_name="i", devices=cpus(2))(torch.ones(2))
+
+
 # --- ppermute, axis_index, axis_size ------------------------------------------------------------
 
 

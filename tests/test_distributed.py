@@ -94,6 +94,17 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
     # Inside, the transpose (psum_scatter) hands replica r the 4 replicas' cotangent c_r per row.
     assert rank0["all_gather_inner_grad"] == [4.0, 4.0, 8.0, 8.0]
     assert rank1["all_gather_inner_grad"] == [12.0, 12.0, 16.0, 16.0]
+    # psum_scatter of s_j * [1, 2, 3, 4] (s_j = 3, 7, 11, 15: replica j's sum): replica r gets
+    # 36 * (r + 1); inside torch.func.grad, with loss_r = c_r times that, every row's gradient is
+    # sum_r (r + 1) c_r = 30 (the transpose, all_gather, spans the processes).
+    assert rank0["psum_scatter"] == [36.0, 72.0] and rank1["psum_scatter"] == [108.0, 144.0]
+    assert rank0["psum_scatter_inner_grad"] == [30.0] * 4 and rank1["psum_scatter_inner_grad"] == [30.0] * 4
+    # all_to_all of 10 s_j + [0, 1, 2, 3]: replica r gets entry r of every replica's, in order.
+    assert rank0["all_to_all"] == [[30.0, 70.0, 110.0, 150.0], [31.0, 71.0, 111.0, 151.0]]
+    assert rank1["all_to_all"] == [[32.0, 72.0, 112.0, 152.0], [33.0, 73.0, 113.0, 153.0]]
+    # Replica r's loss sums c_i s_i (r + 1) over i: the rows of replica j get sum_r (r + 1) c_j.
+    assert rank0["all_to_all_inner_grad"] == [10.0, 10.0, 20.0, 20.0]
+    assert rank1["all_to_all_inner_grad"] == [30.0, 30.0, 40.0, 40.0]
     expected = []
     for r in range(4):
         with fdp.rng_scope(fdp.fold_in(fdp.fold_in(11, 1), r)):
