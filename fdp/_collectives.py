@@ -432,13 +432,19 @@ class _Op:
     # replicas whose backward passes meet different collectives fail instead of mixing them.
     transposes: int | None = None
     round: int | None = None  # set by the exchange that ran this op
+    # The call's options, as text ("dim=0"), where they decide what each replica sends
+    # (psum_scatter's dim, all_to_all's split_dim): replicas or processes that passed different
+    # ones exchange buffers of one shape that hold different things (a square leaf's rows on one
+    # replica, its columns on another), which no check of the shapes can tell apart.
+    options: tuple[str, ...] = ()
 
     def key(self) -> Hashable:
-        return (self.name, self.transposes)
+        return (self.name, *self.options, self.transposes)
 
     def label(self) -> str:
-        """The op as messages name it (a backward's names the forward collective's number)."""
-        return _replica._describe(self.key())
+        """The op as messages name it, with its options (a backward's names the forward
+        collective's number). Across processes it is also what the processes compare."""
+        return _replica._describe(self.key(), bool(self.options))
 
     def transposed(self, op: _OpT) -> _OpT:
         """``op`` marked as the backward of this (already run) op."""
@@ -713,6 +719,9 @@ class _ReduceScatter(_Op):
     name = "fdp.psum_scatter"
     in_dim, out_dim = 1, 0
 
+    def __init__(self, *options: str) -> None:
+        self.options = options  # none for all_gather's transpose, which its round identifies
+
     def combine(
         self,
         buffers: list[torch.Tensor],
@@ -736,6 +745,9 @@ class _AllToAll(_Op):
     name = "fdp.all_to_all"
     in_dim = out_dim = 1
 
+    def __init__(self, *options: str) -> None:
+        self.options = options  # none for its own transpose, which its round identifies
+
     def combine(
         self,
         buffers: list[torch.Tensor],
@@ -745,7 +757,7 @@ class _AllToAll(_Op):
     ) -> list[torch.Tensor]:
         if group.distributed:
             # Across processes every buffer is gathered first (simple, not the cheapest way).
-            everyone = _gathered(buffers, group, self.name, layout)
+            everyone = _gathered(buffers, group, self.label(), layout)
             return [
                 _transfer.to_device(everyone[:, group.offset + r], b.device).clone()
                 for r, b in enumerate(buffers)
@@ -1431,7 +1443,8 @@ def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = Fal
     dim = _dim_argument(dim, caller, "dim")
     n = _bound(axis_name, caller).group.global_size
     rows, given = _in_rows(x, caller, n, axis_name, dim, tiled, "dim")
-    packed, results = _run(_ReduceScatter(), rows, axis_name, numbers="count", rows=n, given=given)
+    op = _ReduceScatter(f"dim={dim}", f"tiled={bool(tiled)}")
+    packed, results = _run(op, rows, axis_name, numbers="count", rows=n, given=given)
 
     def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
         mine = piece.reshape(packed.leaves[k].shape[1:])  # the leaf's row (tiled: its piece)
@@ -1500,7 +1513,8 @@ def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, 
                 f"{caller}: concat_dim={concat_dim} is out of range for {path}, of type "
                 f"{_tree.describe(leaf)} (the result has rank {rank}: a dim in [{-rank}, {rank - 1}] fits)"
             )
-    packed, results = _run(_AllToAll(), rows, axis_name, rows=n, given=given)
+    op = _AllToAll(f"split_dim={split_dim}", f"concat_dim={concat_dim}", f"tiled={bool(tiled)}")
+    packed, results = _run(op, rows, axis_name, rows=n, given=given)
 
     def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
         rank = given[k].dim()

@@ -378,6 +378,8 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         "gathered": lambda x: fdp.all_gather(torch.ones(2 + r, 3 - r), "i"),
         # One process packs two buffers (float32, float64), the other one.
         "dtypes": lambda x: fdp.pmean({"a": x, "b": x.to((torch.float64, torch.float32)[r])}, "i"),
+        # Alike when packed: a square leaf's rows on one process, its columns on the other.
+        "scattered": lambda x: fdp.psum_scatter(torch.ones(4, 4), "i", dim=r),
         # Alike, in another insertion order: not a mismatch (optree sorts dict keys).
         "order": lambda x: fdp.psum(dict([("a", x), ("b", x * 10)][:: 1 - 2 * r]), "i")["b"],
         "skipped": lambda x: fdp.psum(x, "i") if r == 0 else x,

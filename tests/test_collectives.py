@@ -570,6 +570,34 @@ def test_psum_scatter_names_different_shapes_as_the_replicas_passed_them() -> No
         fdp.pmap(f, axis_name="i", devices=cpus(2))(torch.ones(2))
 
 
+@pytest.mark.parametrize(
+    ("call", "shown"),
+    [
+        # A square leaf summed along dim 0 on one replica and dim 1 on the other packs alike:
+        # replica 0 got the sum of its rows and the other's columns.
+        (
+            lambda x, r: fdp.psum_scatter(x[:4].reshape(2, 2), "i", dim=r),
+            ["fdp.psum_scatter(dim=0, tiled=False)", "fdp.psum_scatter(dim=1, tiled=False)"],
+        ),
+        # Cut along dims of equal size, pieces of shape [3, 2] and [2, 3] pack alike: each
+        # replica read the other's pieces in its own layout, scrambled.
+        (
+            lambda x, r: fdp.all_to_all(x.reshape(2, 3, 2), "i", 2 * r, 0),
+            [
+                "fdp.all_to_all(split_dim=0, concat_dim=0, tiled=False)",
+                "fdp.all_to_all(split_dim=2, concat_dim=0, tiled=False)",
+            ],
+        ),
+    ],
+)
+def test_replicas_that_cut_along_different_dims_are_refused(call: Any, shown: list[str]) -> None:
+    f = lambda x: call(x[0], fdp.axis_index("i"))[None]  # noqa: E731
+    with pytest.raises(ValueError, match="the replicas called different collectives") as caught:
+        fdp.pmap(f, axis_name="i", devices=cpus(2))(torch.arange(24.0).reshape(2, 12))
+    for r, called in enumerate(shown):
+        assert f"{called} (replica {r})" in str(caught.value)
+
+
 # --- ppermute, axis_index, axis_size ------------------------------------------------------------
 
 
