@@ -293,7 +293,12 @@ class _Packed:
 
     def across_processes(self) -> _distributed.Layout:
         """This layout as the processes compare it (see :class:`_distributed.Layout`)."""
-        return _distributed.layout_of(self.tree, self.treespec, self.leaves)
+        layout = _distributed.layout_of(self.tree, self.treespec, self.leaves)
+        if self.given is self.leaves:
+            return layout
+        # Compared as packed (what the processes combine), spelled out as the caller passed the
+        # leaves: psum_scatter's float32[4,8] cut into 4 pieces along dim 1 packs as [4,2,4].
+        return layout._replace(describe=_distributed.layout_of(self.tree, self.treespec, self.given).describe)
 
     def private_buffers(self) -> list[torch.Tensor]:
         """The buffers, none sharing memory with a leaf: for replicas that read each other's

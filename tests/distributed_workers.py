@@ -380,6 +380,8 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         "dtypes": lambda x: fdp.pmean({"a": x, "b": x.to((torch.float64, torch.float32)[r])}, "i"),
         # Alike when packed: a square leaf's rows on one process, its columns on the other.
         "scattered": lambda x: fdp.psum_scatter(torch.ones(4, 4), "i", dim=r),
+        # Packed as [4, 1, 4] and [4, 2, 4]: named as passed.
+        "scattered_shapes": lambda x: fdp.psum_scatter(torch.ones(4, 4 + 4 * r), "i", dim=1, tiled=True),
         # Alike, in another insertion order: not a mismatch (optree sorts dict keys).
         "order": lambda x: fdp.psum(dict([("a", x), ("b", x * 10)][:: 1 - 2 * r]), "i")["b"],
         "skipped": lambda x: fdp.psum(x, "i") if r == 0 else x,

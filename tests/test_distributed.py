@@ -365,6 +365,7 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
             "gathered",
             "dtypes",
             "scattered",
+            "scattered_shapes",
         ):
             assert r[case].get("error") == "ValueError", (case, r[case])
             assert r[case]["seconds"] < 10, (case, r[case])
@@ -382,9 +383,10 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         assert "float64[1] on rank 0, float32[1] on rank 1" in r["dtypes"]["message"], r["dtypes"]
         assert "Cast to one dtype" in r["dtypes"]["message"], r["dtypes"]
         assert r["order"] == {"returned": [330.0, 330.0], "seconds": r["order"]["seconds"]}, r["order"]
-        # psum_scatter's options are compared.
+        # psum_scatter's options are compared, and its leaves named with the shapes passed.
         assert "rank 0 called fdp.psum_scatter(dim=0, tiled=False)" in r["scattered"]["message"], r
         assert "rank 1 called fdp.psum_scatter(dim=1, tiled=False)" in r["scattered"]["message"], r
+        assert "float32[4,4] on rank 0, float32[4,8] on rank 1" in r["scattered_shapes"]["message"], r
     for r in results:
         assert "rank 0 called fdp.psum" in r["op"]["message"], r["op"]
         assert "rank 1 called fdp.pmax" in r["op"]["message"], r["op"]
