@@ -739,8 +739,13 @@ class _ReduceScatter(_Op):
         total = _summed(moved, destination)  # half precision: in float32 (see _summed)
         if group.distributed:
             total = _distributed.all_reduce(total, "sum", self.label(), layout=layout)
-        total = total.to(buffers[0].dtype)
-        return [_transfer.to_device(total[group.offset + r], b.device).clone() for r, b in enumerate(buffers)]
+        # Cut by one unbind, whose backward stacks the replicas' cotangents into one tensor: an
+        # index per replica has a backward each, every one a zero-filled tensor of the whole sum's
+        # size, added up (n times the memory, in every backward through the call).
+        pieces = total.to(buffers[0].dtype).unbind()
+        return [
+            _transfer.to_device(pieces[group.offset + r], b.device).clone() for r, b in enumerate(buffers)
+        ]
 
 
 class _AllToAll(_Op):
@@ -762,15 +767,17 @@ class _AllToAll(_Op):
     ) -> list[torch.Tensor]:
         if group.distributed:
             # Across processes every buffer is gathered first (simple, not the cheapest way).
-            everyone = _gathered(buffers, group, self.label(), layout)
+            columns = _gathered(buffers, group, self.label(), layout).unbind(1)  # (see below)
             return [
-                _transfer.to_device(everyone[:, group.offset + r], b.device).clone()
+                _transfer.to_device(columns[group.offset + r], b.device).clone()
                 for r, b in enumerate(buffers)
             ]
         # Each row goes straight to the device of the replica that gets it; stack copies them
-        # into a tensor of that replica's own.
+        # into a tensor of that replica's own. The rows come from one unbind per buffer (see
+        # _ReduceScatter), not from an index per replica.
+        rows = [x.unbind() for x in buffers]
         return [
-            torch.stack([_transfer.to_device(x[r], b.device) for x in buffers]) for r, b in enumerate(buffers)
+            torch.stack([_transfer.to_device(x[r], b.device) for x in rows]) for r, b in enumerate(buffers)
         ]
 
 

@@ -17,6 +17,7 @@ import optree
 import pytest
 import torch
 from helpers import cpus, finishes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fdp
 from fdp import _collectives, _replica
@@ -596,6 +597,53 @@ def test_replicas_that_cut_along_different_dims_are_refused(call: Any, shown: li
         fdp.pmap(f, axis_name="i", devices=cpus(2))(torch.arange(24.0).reshape(2, 12))
     for r, called in enumerate(shown):
         assert f"{called} (replica {r})" in str(caught.value)
+
+
+class _Allocated(TorchDispatchMode):
+    """Counts the bytes of the new tensors that the ops run under it allocate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        held = {
+            t.untyped_storage().data_ptr()
+            for t in optree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
+                held.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize(
+    ("collective", "extra"),
+    [
+        (lambda x: fdp.all_to_all(x, "i", 0, 0), 3),  # each buffer's gradient, stacked once
+        (lambda x: fdp.psum_scatter(x, "i"), 0),  # the sum's, likewise (smaller than x)
+    ],
+)
+def test_the_backward_of_psum_scatter_and_all_to_all_allocates_the_gradient_once(
+    collective: Any, extra: int
+) -> None:
+    # Indexed once per replica, every buffer got n gradients of its full size, mostly zeros,
+    # added up: over 8 replicas, all_to_all's backward allocated 16 times the data more than a
+    # copy's; psum_scatter's, the whole sum 8 times.
+    n = 8
+    x = torch.randn(n, n, 100, dtype=torch.float64, requires_grad=True)
+
+    def allocated(f: Any) -> int:
+        out = per_row(lambda v: f(v[0])[None], n=n)(x)
+        with _Allocated() as counted:
+            out.backward(torch.ones_like(out))
+        return counted.bytes
+
+    copied = allocated(torch.clone)  # what the call itself allocates in the backward
+    assert allocated(collective) <= copied + extra * x.nbytes
 
 
 # --- ppermute, axis_index, axis_size ------------------------------------------------------------
