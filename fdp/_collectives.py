@@ -1440,7 +1440,7 @@ def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = Fal
         NameError: outside a function mapped with this ``axis_name``.
         TypeError: a leaf is not a tensor of rank 1 or more.
         ValueError: ``dim`` is out of range, or of the wrong size for the axis; the replicas
-            passed different structures, shapes or dtypes.
+            passed different structures, shapes or dtypes, or a different ``dim`` or ``tiled``.
 
     Examples:
         >>> import torch, fdp
@@ -1505,7 +1505,8 @@ def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, 
         NameError: outside a function mapped with this ``axis_name``.
         TypeError: a leaf is not a tensor of rank 1 or more.
         ValueError: a dim is out of range, or ``split_dim`` of the wrong size for the axis;
-            the replicas passed different structures, shapes or dtypes.
+            the replicas passed different structures, shapes or dtypes, or different dims or
+            ``tiled``.
 
     Examples:
         >>> import torch, fdp
