@@ -161,7 +161,6 @@ class _Packed:
         "buffers",
         "aliased",
         "whole",
-        "rows",
     )
 
     def __init__(
@@ -182,7 +181,6 @@ class _Packed:
         # The leaves as the caller passed them, for messages (psum_scatter and all_to_all pack
         # them reshaped).
         self.given = self.leaves if given is None else given
-        self.rows = rows
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):
@@ -1364,34 +1362,52 @@ def _dim_argument(dim: Any, caller: str, name: str) -> int:
 
 
 def _in_rows(
-    x: Any, caller: str, n: int, axis_name: Hashable, dim: int, tiled: bool, name: str
+    x: Any,
+    caller: str,
+    n: int,
+    axis_name: Hashable,
+    dim: int,
+    tiled: bool,
+    name: str,
+    concat_dim: int | None = None,
 ) -> tuple[Any, list[Any]]:
     """``x`` with each leaf's dim ``dim`` cut into ``n`` rows, one per replica, for
     :class:`_Packed`'s ``rows``; and ``x``'s leaves. Untiled, that dim must have size ``n``;
-    tiled, a multiple of it.
+    tiled, a multiple of it. ``concat_dim`` (all_to_all's) is checked to be a dim of the result.
 
     Each leaf becomes a tensor of shape ``(n, *chunk)``, ``chunk`` being the leaf with dim
     ``dim`` moved first and cut into ``n`` (tiled), or removed (untiled).
     """
-    paths, leaves, spec = _tree.flatten_with_paths(x, "x")
+    leaves, spec = _tree.flatten(x)
+
+    def path(k: int) -> str:  # (key paths cost a flatten of their own: only for messages)
+        return _tree.flatten_with_paths(x, "x")[0][k]
+
     rows = []
-    for path, leaf in zip(paths, leaves):
+    for k, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-            what = _tree.describe(leaf) if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
+            what = (
+                _tree.describe(leaf)
+                if isinstance(leaf, torch.Tensor)
+                else f"{_tree.short_repr(leaf)}, of type {type(leaf).__name__}"
+            )
             raise TypeError(
                 f"{caller} splits tensors into one piece per replica along {name}={dim}, but "
-                f"{path} is {what}, which has no dim to split"
+                f"{path(k)} is {what}, which has no dim to split"
             )
-        rank = leaf.dim()
-        if not -rank <= dim < rank:
-            raise ValueError(
-                f"{caller}: {name}={dim} is out of range for {path}, of type "
-                f"{_tree.describe(leaf)} (a dim in [{-rank}, {rank - 1}] fits)"
-            )
+        rank = leaf.dim()  # all_to_all's result's rank too
+        for option, value in ((name, dim), ("concat_dim", concat_dim)):
+            if value is not None and not -rank <= value < rank:
+                raise ValueError(
+                    f"{caller}: {option}={value} is out of range for {path(k)}, of type "
+                    f"{_tree.describe(leaf)} ("
+                    + ("the result has rank {rank}: " if option == "concat_dim" else "").format(rank=rank)
+                    + f"a dim in [{-rank}, {rank - 1}] fits)"
+                )
         size = leaf.shape[dim]
         if size % n if tiled else size != n:
             raise ValueError(
-                f"{caller}: {path}, of type {_tree.describe(leaf)}, has size {size} along "
+                f"{caller}: {path(k)}, of type {_tree.describe(leaf)}, has size {size} along "
                 f"{name}={dim}, but "
                 + (
                     f"a tiled {caller} cuts it into {n} equal pieces"
@@ -1518,14 +1534,7 @@ def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, 
     split_dim = _dim_argument(split_dim, caller, "split_dim")
     concat_dim = _dim_argument(concat_dim, caller, "concat_dim")
     n = _bound(axis_name, caller).group.global_size
-    rows, given = _in_rows(x, caller, n, axis_name, split_dim, tiled, "split_dim")
-    for path, leaf in zip(_tree.flatten_with_paths(x, "x")[0], given):
-        rank = leaf.dim()  # the result's rank too
-        if not -rank <= concat_dim < rank:
-            raise ValueError(
-                f"{caller}: concat_dim={concat_dim} is out of range for {path}, of type "
-                f"{_tree.describe(leaf)} (the result has rank {rank}: a dim in [{-rank}, {rank - 1}] fits)"
-            )
+    rows, given = _in_rows(x, caller, n, axis_name, split_dim, tiled, "split_dim", concat_dim)
     op = _AllToAll(f"split_dim={split_dim}", f"concat_dim={concat_dim}", f"tiled={bool(tiled)}")
     packed, results = _run(op, rows, axis_name, rows=n, given=given)
 

@@ -519,7 +519,11 @@ def test_mixture_of_experts_layer_of_the_docs() -> None:
                 "x[0] is float32[], which has no dim to split"
             ),
         ),
-        (lambda x: fdp.psum_scatter(2.0, "i"), TypeError, "but x is a float, which has no dim"),
+        (
+            lambda x: fdp.psum_scatter(2.0, "i"),
+            TypeError,
+            "but x is 2.0, of type float, which has no dim to split",
+        ),
         (
             lambda x: fdp.psum_scatter(x, "i", dim=2),
             ValueError,
