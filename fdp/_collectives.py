@@ -161,6 +161,7 @@ class _Packed:
         "buffers",
         "aliased",
         "whole",
+        "quantization",
     )
 
     def __init__(
@@ -181,7 +182,7 @@ class _Packed:
         # The leaves as the caller passed them, for messages (psum_scatter and all_to_all pack
         # them reshaped).
         self.given = self.leaves if given is None else given
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        groups: dict[tuple[Any, ...], list[int]] = {}  # (device, dtype): leaf numbers
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):
                 if (
@@ -228,6 +229,14 @@ class _Packed:
                 f"{caller} reduces dense numbers, but {self._path(k)} is a quantized tensor "
                 f"({_tree.describe(self.leaves[k])}): dequantize it first (.dequantize())"
             )
+        # Quantized leaves: a buffer each, and their scales compared between replicas where the
+        # op joins their values (see _check_same_layout). Joined (torch.cat, torch.stack),
+        # quantized tensors all take the first one's scale and zero point: a leaf of scale 10
+        # packed behind one of scale 0.1 came back clipped (200 as 25.5), silently. (Checked
+        # once per dtype, not per leaf.)
+        self.quantization: tuple[tuple[int, float, int], ...] = ()
+        if not _QUANTIZED.isdisjoint([key[1] for key in groups]):
+            groups, self.quantization = self._quantized_apart(groups, caller)
         self.keys = list(groups)
         self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
@@ -280,6 +289,29 @@ class _Packed:
                     f"{caller} takes dense tensors, but {self._path(k)} is {kind} (type "
                     f"{_tree.describe(leaf)}), which it cannot pack for the exchange: {fix}"
                 ) from err
+
+    def _quantized_apart(
+        self, groups: dict[tuple[Any, ...], list[int]], caller: str
+    ) -> tuple[dict[tuple[Any, ...], list[int]], tuple[tuple[int, float, int], ...]]:
+        """``groups`` with each quantized leaf in a group of its own, and those leaves' numbers,
+        scales and zero points."""
+        apart: dict[tuple[Any, ...], list[int]] = {}
+        scales = []
+        for key, members in groups.items():
+            if key[1] not in _QUANTIZED:
+                apart[key] = members
+                continue
+            for k in members:
+                leaf = self.leaves[k]
+                if leaf.qscheme() not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+                    raise TypeError(
+                        f"{caller} takes quantized tensors of one scale, but {self._path(k)} "
+                        f"({_tree.describe(leaf)}) is quantized {leaf.qscheme()}: dequantize it "
+                        "first (.dequantize())"
+                    )
+                apart[(*key, k)] = [k]
+                scales.append((k, leaf.q_scale(), leaf.q_zero_point()))
+        return apart, tuple(scales)
 
     def _path(self, k: int) -> str:
         """Leaf ``k``'s key path, for messages."""
@@ -335,10 +367,11 @@ def _numpy_number(leaf: Any) -> bool:
     return numpy is not None and isinstance(leaf, numpy.generic) and leaf.dtype.kind in "biuf"
 
 
-def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -> None:
-    """Refuses replicas that passed different trees, shapes or dtypes. ``offset`` is this
-    process's first global replica index (fdp.distributed): messages name replicas as
-    ``axis_index`` does."""
+def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0, joins: bool = False) -> None:
+    """Refuses replicas that passed different trees, shapes or dtypes; with ``joins`` (an op
+    that joins the replicas' values into one tensor), quantized tensors of different scales
+    too. ``offset`` is this process's first global replica index (fdp.distributed): messages
+    name replicas as ``axis_index`` does."""
     first = packs[0]
     for r, packed in enumerate(packs[1:], start=1):
         if not _tree.replicas_agree(packed.treespec, first.treespec):
@@ -346,6 +379,16 @@ def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0) -
                 f"{caller}: the replicas passed trees of different structure: replica {offset} "
                 f"passed {first.treespec} but replica {offset + r} passed {packed.treespec}"
             )
+        if joins and packed.quantization != first.quantization:
+            for (k, *mine), (_, *theirs) in zip(first.quantization, packed.quantization):
+                if mine != theirs:
+                    raise ValueError(
+                        f"{caller}: the replicas passed quantized tensors of different scales at "
+                        f"{first._path(k)}: replica {offset} passed scale {mine[0]}, zero point "
+                        f"{mine[1]} but replica {offset + r} passed scale {theirs[0]}, zero point "
+                        f"{theirs[1]}; {caller} joins them into one tensor, of one scale. Quantize "
+                        "them alike on every replica, or dequantize them first (.dequantize())"
+                    )
         if packed.metadata() == first.metadata():
             continue
         paths = _tree.flatten_with_paths(first.tree, "x")[0]
@@ -435,6 +478,8 @@ class _Op:
     # replicas whose backward passes meet different collectives fail instead of mixing them.
     transposes: int | None = None
     round: int | None = None  # set by the exchange that ran this op
+    # Whether the op joins the replicas' values into one tensor (a gather, not a sum or a send).
+    joins = False
     # The call's options, as text ("dim=0"), where they decide what each replica sends
     # (psum_scatter's dim, all_to_all's split_dim): replicas or processes that passed different
     # ones exchange buffers of one shape that hold different things (a square leaf's rows on one
@@ -704,6 +749,7 @@ class _AllGather(_Op):
 
     name = "fdp.all_gather"
     in_dim, out_dim = 0, 1
+    joins = True
 
     def combine(
         self,
@@ -752,6 +798,7 @@ class _AllToAll(_Op):
 
     name = "fdp.all_to_all"
     in_dim = out_dim = 1
+    joins = True
 
     def __init__(self, *options: str) -> None:
         self.options = options  # none for its own transpose, which its round identifies
@@ -846,7 +893,7 @@ def _exchange(
     ) -> list[tuple[list[Any], _streams.Marks | None]]:
         layout = payloads[0][0]
         if layout is not None:
-            _check_same_layout([p[0] for p in payloads], op.name, context.group.offset)
+            _check_same_layout([p[0] for p in payloads], op.name, context.group.offset, op.joins)
         # Across processes the packed buffers alone may agree in size where the trees do not.
         checked = layout.across_processes() if layout is not None and context.group.distributed else None
         shapes = [tuple(tuple(b.shape) for b in p[1]) for p in payloads]

@@ -33,11 +33,11 @@ def jagged(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.nested.nested_tensor(tensors, layout=torch.jagged)
 
 
-def quantized(t: torch.Tensor) -> torch.Tensor:
+def quantized(t: torch.Tensor, scale: float = 0.1) -> torch.Tensor:
     """``t`` quantized (torch's deprecation warning for quantized tensors silenced)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.quantize_per_tensor(t, 0.1, 0, torch.quint8)
+        return torch.quantize_per_tensor(t, scale, 0, torch.quint8)
 
 
 def packed_sequence(*lengths: int, enforce_sorted: bool = False) -> nn.utils.rnn.PackedSequence:
@@ -654,6 +654,18 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"^fdp.psum takes dense tensors, but x\['s'\] is a tensor of layout torch.sparse_coo \(type "
         r"float32\[2,2\]\), which it cannot pack for the exchange: convert it with .to_dense\(\)",
+    ),
+    (
+        # Joined into one tensor, they took the first one's scale: 200 came back as 25.5.
+        "quantized tensors of different scales joined by a gather",
+        lambda: (torch.zeros(2),),
+        lambda a: pm(
+            lambda x: fdp.all_gather(quantized(torch.ones(3), scale=[0.1, 10.0][fdp.axis_index("i")]), "i"),
+            axis_name="i",
+        )(*a),
+        ValueError,
+        r"^fdp.all_gather: the replicas passed quantized tensors of different scales at x: replica 0 passed "
+        r"scale 0.1, zero point 0 but replica 1 passed scale 10.0, zero point 0",
     ),
     (
         # On several replicas, torch's kernel refused it after the exchange ("Could not run

@@ -1545,9 +1545,7 @@ def test_quantized_tensors_are_refused_by_reductions_on_one_replica_as_on_severa
     # nor the leaf ("Could not run 'aten::add.out' with arguments from the 'QuantizedCPU'
     # backend"); one replica handed the value back. fdp.pmean said "use fdp.psum for integer
     # counts", which refuses them too. Gathering and permuting take them.
-    with warnings.catch_warnings():  # torch deprecates quantized tensors
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)
+    q = quantized(torch.ones(3), 0.1)
     f = fdp.pmap(lambda x: collective({"d": x, "q": q}, "i"), axis_name="i", devices=cpus(n))
     name = collective.__name__
     with pytest.raises(
@@ -1556,6 +1554,65 @@ def test_quantized_tensors_are_refused_by_reductions_on_one_replica_as_on_severa
         f(torch.ones(n))
     gathered = fdp.pmap(lambda x: fdp.all_gather(q, "i"), axis_name="i", devices=cpus(n), out_axes=None)
     assert torch.equal(gathered(torch.ones(n)).dequantize(), torch.ones(n, 3))
+
+
+def quantized(values: Any, scale: float) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch deprecates quantized tensors
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.as_tensor(values, dtype=torch.float32), scale, 0, torch.quint8)
+
+
+def test_quantized_leaves_of_different_scales_keep_their_values() -> None:
+    # Packed into one buffer, quantized leaves took the first one's scale: 200 at scale 10
+    # behind a leaf at scale 0.1 came back clipped to 25.5, silently, from all_gather, all_to_all
+    # and ppermute. A replica's own scale travels with ppermute's value.
+    def f(x: torch.Tensor) -> Any:
+        r = fdp.axis_index("i")
+        tree = {"small": quantized([1.0, 2.0], 0.1), "large": quantized([200.0, 100.0], 10.0)}
+        sent = quantized([[5.0, 7.0], [200.0, 210.0]][r], [0.1, 10.0][r])
+        return (
+            fdp.all_gather(tree, "i"),
+            fdp.all_to_all(tree, "i", 0, 0, tiled=True),
+            fdp.ppermute(sent, "i", [(0, 1), (1, 0)]),
+        )
+
+    gathered, swapped, sent = fdp.pmap(f, axis_name="i", devices=cpus(2), out_axes=fdp.PER_REPLICA)(
+        torch.ones(2)
+    )
+    for r in range(2):
+        assert torch.equal(gathered["small"].values[r].dequantize(), torch.tensor([[1.0, 2.0]] * 2))
+        assert torch.equal(gathered["large"].values[r].dequantize(), torch.tensor([[200.0, 100.0]] * 2))
+        assert torch.equal(swapped["large"].values[r].dequantize(), torch.tensor([[200.0, 100.0][r]] * 2))
+    assert torch.equal(sent.values[0].dequantize(), torch.tensor([200.0, 210.0]))
+    assert torch.equal(sent.values[1].dequantize(), torch.tensor([5.0, 7.0]))
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "all_to_all"])
+def test_joining_quantized_values_of_different_scales_is_refused(collective: str) -> None:
+    def f(x: torch.Tensor) -> Any:
+        r = fdp.axis_index("i")
+        q = {"w": quantized([1.0, 200.0][r] * torch.ones(2), [0.1, 10.0][r])}
+        return fdp.all_gather(q, "i") if collective == "all_gather" else fdp.all_to_all(q, "i", 0, 0)
+
+    message = (
+        f"fdp.{collective}: the replicas passed quantized tensors of different scales at x['w']: replica 0 "
+        "passed scale 0.1, zero point 0 but replica 1 passed scale 10.0, zero point 0"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fdp.pmap(f, axis_name="i", devices=cpus(2), out_axes=None)(torch.ones(2))
+
+
+def test_per_channel_quantized_tensors_are_refused_by_name() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(
+            torch.ones(2, 3), torch.tensor([0.1, 1.0]), torch.tensor([0, 0]), 0, torch.quint8
+        )
+    f = fdp.pmap(lambda x: fdp.all_gather({"q": q}, "i"), axis_name="i", devices=cpus(2))
+    with pytest.raises(
+        TypeError, match=re.escape("fdp.all_gather takes quantized tensors of one scale, but x['q']")
+    ):
+        f(torch.ones(2))
 
 
 def test_one_replica_reduces_without_an_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
