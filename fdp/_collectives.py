@@ -894,6 +894,15 @@ def _exchange(
         layout = payloads[0][0]
         if layout is not None:
             _check_same_layout([p[0] for p in payloads], op.name, context.group.offset, op.joins)
+        if layout is not None and layout.quantization and context.group.distributed:
+            # torch.distributed sends no quantized tensors: gloo's copy failed with "Copying from
+            # quantized Tensor to non-quantized Tensor is not allowed", naming no leaf.
+            raise TypeError(
+                f"{op.name} across processes takes no quantized tensors, but "
+                f"{layout._path(layout.quantization[0][0])} is "
+                f"{_tree.describe(layout.leaves[layout.quantization[0][0]])}: dequantize it first "
+                "(.dequantize()), or send its integers (.int_repr()) and its scale"
+            )
         # Across processes the packed buffers alone may agree in size where the trees do not.
         checked = layout.across_processes() if layout is not None and context.group.distributed else None
         shapes = [tuple(tuple(b.shape) for b in p[1]) for p in payloads]

@@ -387,6 +387,11 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         assert "rank 0 called fdp.psum_scatter(dim=0, tiled=False)" in r["scattered"]["message"], r
         assert "rank 1 called fdp.psum_scatter(dim=1, tiled=False)" in r["scattered"]["message"], r
         assert "float32[4,4] on rank 0, float32[4,8] on rank 1" in r["scattered_shapes"]["message"], r
+        assert r["quantized"]["error"] == "TypeError", r["quantized"]
+        assert (
+            "fdp.all_gather across processes takes no quantized tensors, but x['q'] is quint8[2]"
+            in (r["quantized"]["message"])
+        ), r["quantized"]
     for r in results:
         assert "rank 0 called fdp.psum" in r["op"]["message"], r["op"]
         assert "rank 1 called fdp.pmax" in r["op"]["message"], r["op"]
