@@ -274,6 +274,21 @@ def test_sgd_steps_sparse_gradients_as_torch_optim_does(momentum: float) -> None
     torch.testing.assert_close(params["weight"], emb.weight.detach())
 
 
+def test_clipping_a_sparse_gradient_clips_as_the_dense_one_or_is_refused() -> None:
+    # torch 2.13 cannot take the norm of a sparse gradient: fdp names the leaf (test_bad_input).
+    # torch 2.15 can: the clipped gradient must then be the dense one's, duplicates summed.
+    emb = nn.Embedding(10, 3, sparse=True)
+    (grad,) = torch.autograd.grad(emb(torch.tensor([1, 2, 2])).sum() * 5, [emb.weight])
+    clip = optim.clip_by_global_norm(1.0)
+    try:
+        clipped, _ = clip.update({"w": grad}, optim.EmptyState())
+    except TypeError as error:
+        assert "a sparse gradient" in str(error)
+        return
+    dense, _ = clip.update({"w": grad.to_dense()}, optim.EmptyState())
+    torch.testing.assert_close(clipped["w"].to_dense(), dense["w"])
+
+
 def test_adam_takes_complex_gradients_with_the_conjugate_bit() -> None:
     # autograd returns a lazily conjugated gradient for a loss of z.conj(); view_as_real refuses
     # those, so the step resolves them first (torch.optim.Adam fails on such a .grad in 2.13).
