@@ -250,7 +250,7 @@ class _Packed:
             for b, members in enumerate(self.members):
                 offset = 0
                 for k in members:
-                    numel = self.leaves[k].numel() if rows is None else self.leaves[k][0].numel()
+                    numel = self.leaves[k].numel() if rows is None else self.leaves[k].numel() // rows
                     self.slots[k] = (b, offset, numel)
                     offset += numel
                 self.whole.append(all([self.slots[k][2] for k in members]))
