@@ -156,7 +156,6 @@ class _Packed:
         "leaves",
         "given",
         "slots",
-        "keys",
         "members",
         "buffers",
         "aliased",
@@ -237,7 +236,6 @@ class _Packed:
         self.quantization: tuple[tuple[int, float, int], ...] = ()
         if not _QUANTIZED.isdisjoint([key[1] for key in groups]):
             groups, self.quantization = self._quantized_apart(groups, caller)
-        self.keys = list(groups)
         self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
         self.slots: dict[int, tuple[int, int, int]] = {}
