@@ -1455,7 +1455,7 @@ def _in_rows(
                 raise ValueError(
                     f"{caller}: {option}={value} is out of range for {path(k)}, of type "
                     f"{_tree.describe(leaf)} ("
-                    + ("the result has rank {rank}: " if option == "concat_dim" else "").format(rank=rank)
+                    + (f"the result has rank {rank}: " if option == "concat_dim" else "")
                     + f"a dim in [{-rank}, {rank - 1}] fits)"
                 )
         size = leaf.shape[dim]
@@ -1594,11 +1594,11 @@ def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, 
 
     def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
         rank = given[k].dim()
+        d = concat_dim % rank
         received = piece.reshape(packed.leaves[k].shape)  # (n, *chunk): row i from replica i
         if not tiled:
-            return received.movedim(0, concat_dim % rank)
+            return received.movedim(0, d)
         # Each piece back in the leaf's layout, then the pieces side by side along concat_dim.
-        d = concat_dim % rank
         return received.movedim(1, split_dim % rank + 1).movedim(0, d).flatten(d, d + 1)
 
     return packed.unpack(results, leaf_result)
