@@ -732,14 +732,18 @@ def _gathered(
     stacked = torch.stack([_transfer.to_device(b, buffers[0].device) for b in buffers])
     if not group.distributed:
         return stacked
+    _check_equal_counts(group, caller)
+    gathered = _distributed.all_gather(stacked, caller, layout)
+    return gathered.reshape(-1, *stacked.shape[1:])
+
+
+def _check_equal_counts(group: _replica.CallGroup, caller: str) -> None:
     if len(set(group.counts)) > 1:
         raise ValueError(
             f"{caller} across processes needs the same number of replicas in every process, but "
             f"they run {group.counts}; give every process the same share of the batch "
             "(fdp.distributed.shard_batch)"
         )
-    gathered = _distributed.all_gather(stacked, caller, layout)
-    return gathered.reshape(-1, *stacked.shape[1:])
 
 
 class _AllGather(_Op):
@@ -779,15 +783,17 @@ class _ReduceScatter(_Op):
         destination = buffers[0].device
         moved = [_transfer.to_device(b, destination) for b in buffers]
         total = _summed(moved, destination)  # half precision: in float32 (see _summed)
-        if group.distributed:
+        first = group.offset
+        if group.distributed and len(set(group.counts)) == 1:
+            # Each process gets the rows of its own replicas, summed over the processes.
+            total, first = _distributed.reduce_scatter(total, self.label(), layout), 0
+        elif group.distributed:  # (a reduce_scatter cuts equal blocks only)
             total = _distributed.all_reduce(total, "sum", self.label(), layout=layout)
         # Cut by one unbind, whose backward stacks the replicas' cotangents into one tensor: an
         # index per replica has a backward each, every one a zero-filled tensor of the whole sum's
         # size, added up (n times the memory, in every backward through the call).
         pieces = total.to(buffers[0].dtype).unbind()
-        return [
-            _transfer.to_device(pieces[group.offset + r], b.device).clone() for r, b in enumerate(buffers)
-        ]
+        return [_transfer.to_device(pieces[first + r], b.device).clone() for r, b in enumerate(buffers)]
 
 
 class _AllToAll(_Op):
@@ -809,18 +815,31 @@ class _AllToAll(_Op):
         layout: _distributed.Layout | None = None,
     ) -> list[torch.Tensor]:
         if group.distributed:
-            # Across processes every buffer is gathered first (simple, not the cheapest way).
-            columns = _gathered(buffers, group, self.label(), layout).unbind(1)  # (see below)
-            return [
-                _transfer.to_device(columns[group.offset + r], b.device).clone()
-                for r, b in enumerate(buffers)
-            ]
+            return self._across_processes(buffers, group, layout)
         # Each row goes straight to the device of the replica that gets it; stack copies them
         # into a tensor of that replica's own. The rows come from one unbind per buffer (see
         # _ReduceScatter), not from an index per replica.
         rows = [x.unbind() for x in buffers]
         return [
             torch.stack([_transfer.to_device(x[r], b.device) for x in rows]) for r, b in enumerate(buffers)
+        ]
+
+    def _across_processes(
+        self, buffers: list[torch.Tensor], group: _replica.CallGroup, layout: _distributed.Layout | None
+    ) -> list[torch.Tensor]:
+        """One all_to_all between the processes: each sends every other only the rows of its
+        replicas, rather than gathering every buffer everywhere."""
+        _check_equal_counts(group, self.label())
+        n, worlds = len(buffers), len(group.counts)
+        # [source replica i, destination replica j] -> [destination process, i, j's index there]
+        stacked = torch.stack([_transfer.to_device(b, buffers[0].device) for b in buffers])
+        chunks = stacked.unflatten(1, (worlds, n)).transpose(0, 1)
+        received = _distributed.all_to_all(chunks, self.label(), layout)
+        # [source process, its replica i, destination replica r]: r's rows, in global order of i.
+        # One unbind (see _ReduceScatter), then each replica's rows in memory of its own.
+        return [
+            _transfer.to_device(rows, b.device).clone(memory_format=torch.contiguous_format).flatten(0, 1)
+            for rows, b in zip(received.unbind(2), buffers)
         ]
 
 

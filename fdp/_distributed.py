@@ -1169,6 +1169,26 @@ def all_gather(
     return result
 
 
+def reduce_scatter(
+    tensor: torch.Tensor, name: str = "a collective", layout: Layout | None = None
+) -> torch.Tensor:
+    """This process's ``world``-th of the sum over the processes of ``tensor`` (rows
+    ``[rank * k, (rank + 1) * k)`` of a ``(world * k, ...)`` tensor), differentiably
+    (``layout``: as for :func:`all_reduce`)."""
+    result: torch.Tensor = _ReduceScatter.apply(tensor, name, layout)
+    return result
+
+
+def all_to_all(
+    tensor: torch.Tensor, name: str = "a collective", layout: Layout | None = None
+) -> torch.Tensor:
+    """``tensor`` (``world`` chunks alike along dim 0) with chunk ``p`` of every process's in
+    place ``p``: process ``q``'s chunk ``rank``, differentiably (``layout``: as for
+    :func:`all_reduce`)."""
+    result: torch.Tensor = _AllToAll.apply(tensor, name, layout)
+    return result
+
+
 # DDP's bucket sizes: a small first bucket, so that communication starts early, then 25 MiB.
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -1225,6 +1245,48 @@ def _reduce(tensor: torch.Tensor, op: str, name: str, layout: Layout | None = No
     return result
 
 
+# reduce_scatter_tensor's new name since torch 2.13, which deprecates the old one.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _as_real(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as pairs of reals (gloo and NCCL reduce no complex numbers; a sum of
+    pairs is the complex sum), split along the same dim 0; other tensors as they are."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _scatter_sum(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> torch.Tensor:
+    """Rows ``[rank * k, (rank + 1) * k)`` of the sum over the processes of ``tensor``, of
+    shape ``(world * k, ...)``: one reduce_scatter, which moves a ``world``-th of what an
+    all_reduce of the whole would. (A small CPU tensor travels in the check's exchange, and is
+    summed here, in rank order.)"""
+    source = tensor.detach().contiguous()
+    rows = source.shape[0] // world_size()
+    result = source.new_empty((rows, *source.shape[1:]))
+    issue = lambda: _reduce_scatter_single(_as_real(result), _as_real(source), async_op=True)  # noqa: E731
+    _, carried = _collective(name, "a reduce_scatter (sum)", source, [issue], layout=layout)
+    if carried is not None:
+        mine = [c[rank() * rows : (rank() + 1) * rows] for c in carried]
+        result.copy_(mine[0])
+        for other in mine[1:]:
+            result.add_(other)
+    return result
+
+
+def _exchange_chunks(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> torch.Tensor:
+    """Chunk ``p`` of dim 0 of ``tensor`` (``world`` chunks alike) goes to process ``p``, as its
+    chunk ``rank``: one all_to_all, which moves only what each process keeps."""
+    source = tensor.detach().contiguous()
+    result = torch.empty_like(source)
+    issue = lambda: dist.all_to_all_single(result, source, async_op=True)  # noqa: E731
+    _, carried = _collective(name, "an all_to_all", source, [issue], layout=layout)
+    if carried is not None:
+        rows = source.shape[0] // world_size()
+        for p, chunk in enumerate(carried):
+            result[p * rows : (p + 1) * rows] = chunk[rank() * rows : (rank() + 1) * rows]
+    return result
+
+
 def _gather(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> torch.Tensor:
     source = tensor.detach().contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size())]
@@ -1270,7 +1332,33 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return all_reduce(grad, "sum", f"the backward of {ctx.name}")[rank()], None, None
+        # Every process's cotangent of this process's row: a reduce_scatter, not a whole all_reduce.
+        return reduce_scatter(grad, f"the backward of {ctx.name}")[0], None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, layout: Layout | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.name = name
+        return _scatter_sum(tensor, name, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        # Row block p of every process's input went to process p's output: its cotangent.
+        gathered = all_gather(grad, f"the backward of {ctx.name}")
+        return gathered.reshape(-1, *grad.shape[1:]), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, layout: Layout | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.name = name
+        return _exchange_chunks(tensor, name, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        # Its own transpose: each chunk's cotangent goes back to where the chunk came from.
+        return all_to_all(grad, f"the backward of {ctx.name}"), None, None
 
 
 @_thread_state.without_autocast  # torch.cat keeps every dtype under any autocast

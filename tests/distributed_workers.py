@@ -112,6 +112,43 @@ def collectives(rank: int, world: int, folder: str) -> None:
             shard
         )
         out["all_to_all_inner_grad"] = inner.flatten().tolist()
+        # Past what travels with the check: a reduce_scatter and an all_to_all between the
+        # processes, forward, through the whole call (outer) and inside the replicas.
+        big = a[:, None] * torch.ones(4, 3000)
+        out["psum_scatter_large"] = f(lambda x: fdp.psum_scatter(x.sum() * big, "i")[-1:])(shard).tolist()
+        out["all_to_all_large"] = f(lambda x: fdp.all_to_all(x.sum() * 10 + big - 1, "i", 0, 0)[:, -1][None])(
+            shard
+        ).tolist()
+        # float16 summed in float32 and rounded once; booleans counted as int64; complex numbers.
+        out["psum_scatter_float16"] = f(lambda x: fdp.psum_scatter((x.sum() * 301.7 * big).half(), "i")[-1:])(
+            shard
+        ).tolist()
+        out["psum_scatter_bool"] = f(lambda x: fdp.psum_scatter(big > x.sum() / 4, "i")[-1:])(shard).tolist()
+        out["psum_scatter_complex"] = f(
+            lambda x: torch.view_as_real(fdp.psum_scatter(x.sum() * (1 + 2j) * big.cfloat(), "i")[-1:])
+        )(shard).tolist()
+        per_row = lambda g: fdp.pmap(g, axis_name="i", in_axes=(0, None), devices=["cpu", "cpu"])  # noqa: E731
+        for name, collective in (
+            ("psum_scatter", lambda y: fdp.psum_scatter(y, "i")),
+            ("all_to_all", lambda y: fdp.all_to_all(y, "i", 0, 0)),
+        ):
+            w = torch.tensor(2.0, requires_grad=True)
+            mine = per_row(lambda x, w, c=collective: c((x * w).sum() * big)[None])(shard, w)
+            weights = torch.tensor([[1.0], [2.0]]) + 2 * rank  # c_r of the rank's replicas
+            (mine.flatten(1).sum(1) * weights.flatten()).sum().backward()
+            out[f"{name}_large_outer_grad"] = float(w.grad)
+        inner = f(
+            lambda x: torch.func.grad(
+                lambda x: (fdp.psum_scatter(x.sum() * big, "i") * c[fdp.axis_index("i")]).sum()
+            )(x)
+        )(shard)
+        out["psum_scatter_large_inner_grad"] = inner.flatten().tolist()
+        inner = f(
+            lambda x: torch.func.grad(
+                lambda x: (fdp.all_to_all(x.sum() * big, "i", 0, 0) * c[:, None]).sum()
+            )(x)
+        )(shard)
+        out["all_to_all_large_inner_grad"] = inner.flatten().tolist()
         # A call inside rng_scope: replica r of the scope's k-th call draws in
         # fold_in(fold_in(seed, k), r), r its global index, so no two of the 4 replicas alike.
         with fdp.rng_scope(11):
@@ -380,6 +417,8 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         "swapped": lambda x: fdp.psum({"a": torch.ones(2 + r), "b": torch.ones(3 - r)}, "i"),
         "keys": lambda x: fdp.psum({("a", "b")[r]: torch.ones(4)}, "i"),
         "gathered": lambda x: fdp.all_gather(torch.ones(2 + r, 3 - r), "i"),
+        # Alike in shape: each replica's rows on one process, its columns on the other.
+        "exchanged": lambda x: fdp.all_to_all(torch.ones(4, 4), "i", r, 0),
         # One process packs two buffers (float32, float64), the other one.
         "dtypes": lambda x: fdp.pmean({"a": x, "b": x.to((torch.float64, torch.float32)[r])}, "i"),
         # Alike when packed: a square leaf's rows on one process, its columns on the other.
@@ -521,6 +560,33 @@ def tied_extremes(rank: int, world: int, folder: str) -> None:
             )
             f(x).sum().backward()
             result[name] = x.grad.tolist()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
+def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
+    """Rank 0 runs 2 replicas, rank 1 one: psum_scatter over the 3 (small, and past what
+    travels with the check), and the collectives that need equal counts refused alike."""
+    start(rank, world, folder)
+    try:
+        devices = ["cpu"] * (2 - rank)
+        f = lambda g: fdp.pmap(g, axis_name="i", devices=devices)  # noqa: E731
+        x = torch.arange(1.0, 4.0)[:, None][[slice(0, 2), slice(2, 3)][rank]]  # replica j holds j + 1
+        rows = torch.arange(1.0, 4.0)[:, None]  # row r: r + 1
+        result: dict = {
+            "psum_scatter": f(lambda x: fdp.psum_scatter(x.sum() * rows, "i"))(x).tolist(),
+            "psum_scatter_large": f(
+                lambda x: fdp.psum_scatter(x.sum() * rows * torch.ones(3, 3000), "i")[:1][None]
+            )(x).tolist(),
+        }
+        for name, collective in (
+            ("all_gather", lambda y: fdp.all_gather(y, "i")),
+            ("all_to_all", lambda y: fdp.all_to_all(y, "i", 0, 0)),
+        ):
+            result[name] = timed_outcome(
+                lambda collective=collective: f(lambda x: collective(x.sum() * rows))(x)
+            )
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()

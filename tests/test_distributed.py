@@ -105,6 +105,29 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
     # Replica r's loss sums c_i s_i (r + 1) over i: the rows of replica j get sum_r (r + 1) c_j.
     assert rank0["all_to_all_inner_grad"] == [10.0, 10.0, 20.0, 20.0]
     assert rank1["all_to_all_inner_grad"] == [30.0, 30.0, 40.0, 40.0]
+    # The same past what travels with the check (a reduce_scatter and an all_to_all of their own).
+    assert rank0["psum_scatter_large"] == [36.0, 72.0] and rank1["psum_scatter_large"] == [108.0, 144.0]
+    assert (
+        rank0["all_to_all_large"] == rank0["all_to_all"] and rank1["all_to_all_large"] == rank1["all_to_all"]
+    )
+    sums = torch.tensor([3.0, 7.0, 11.0, 15.0])  # the replicas' x.sum()
+    halves = (sums[:, None] * 301.7 * torch.arange(1.0, 5.0)).half().float().sum(0).half()
+    assert rank0["psum_scatter_float16"] == [halves[0].item(), halves[1].item()], rank0
+    assert rank1["psum_scatter_float16"] == [halves[2].item(), halves[3].item()], rank1
+    # big's row r (r + 1) against each replica's x.sum() / 4: the replicas whose value is greater.
+    counts = [int(((r + 1) > sums / 4).sum()) for r in range(4)]
+    assert rank0["psum_scatter_bool"] == counts[:2], rank0
+    assert rank1["psum_scatter_bool"] == counts[2:], rank1
+    assert rank0["psum_scatter_complex"] == [[36.0, 72.0], [72.0, 144.0]], rank0
+    assert rank1["psum_scatter_complex"] == [[108.0, 216.0], [144.0, 288.0]], rank1
+    # Each rank differentiates every rank's sum_r c_r * sum(out_r): its own replicas' sums s_i
+    # times sum_r c_r (r + 1) * 3000 = 30 * 3000, for both collectives.
+    for name in ("psum_scatter", "all_to_all"):
+        assert rank0[f"{name}_large_outer_grad"] == pytest.approx((3 + 7) * 30 * 3000), name
+        assert rank1[f"{name}_large_outer_grad"] == pytest.approx((11 + 15) * 30 * 3000), name
+    assert all(r["psum_scatter_large_inner_grad"] == [30.0 * 3000] * 4 for r in results)
+    assert rank0["all_to_all_large_inner_grad"] == [30000.0, 30000.0, 60000.0, 60000.0]
+    assert rank1["all_to_all_large_inner_grad"] == [90000.0, 90000.0, 120000.0, 120000.0]
     expected = []
     for r in range(4):
         with fdp.rng_scope(fdp.fold_in(fdp.fold_in(11, 1), r)):
@@ -366,6 +389,7 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
             "dtypes",
             "scattered",
             "scattered_shapes",
+            "exchanged",
         ):
             assert r[case].get("error") == "ValueError", (case, r[case])
             assert r[case]["seconds"] < 10, (case, r[case])
@@ -385,6 +409,13 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         assert r["order"] == {"returned": [330.0, 330.0], "seconds": r["order"]["seconds"]}, r["order"]
         # psum_scatter's options are compared, and its leaves named with the shapes passed.
         assert "rank 0 called fdp.psum_scatter(dim=0, tiled=False)" in r["scattered"]["message"], r
+        # A reduce_scatter and an all_to_all of their own between the processes, not an
+        # all_reduce or an all_gather of every buffer.
+        assert "(a reduce_scatter (sum) of float32[4, 4];" in r["scattered"]["message"], r
+        assert (
+            "rank 1 called fdp.all_to_all(split_dim=1, concat_dim=0, tiled=False) (an all_to_all of"
+            in (r["exchanged"]["message"])
+        ), r["exchanged"]
         assert "rank 1 called fdp.psum_scatter(dim=1, tiled=False)" in r["scattered"]["message"], r
         assert "float32[4,4] on rank 0, float32[4,8] on rank 1" in r["scattered_shapes"]["message"], r
         assert r["quantized"]["error"] == "TypeError", r["quantized"]
@@ -554,6 +585,22 @@ def test_pmax_and_pmin_gradients_through_the_call_split_ties_over_every_process(
     for name in ("pmax", "pmin"):
         assert results[0][name] == pytest.approx([4 / 3, 4 / 3]), results
         assert results[1][name] == pytest.approx([4 / 3, 0.0]), results
+
+
+def test_psum_scatter_spans_processes_with_unequal_replica_counts(tmp_path: Path) -> None:
+    # 3 replicas (2 on rank 0, 1 on rank 1) with sums 1, 2, 3: replica r gets (r + 1) * 6.
+    # (A reduce_scatter cuts equal blocks only: here the whole sum is all-reduced.) all_gather
+    # and all_to_all need equal counts: every rank refuses them alike, at once, naming them.
+    results, codes = spawn(distributed_workers.unequal_replica_counts, tmp_path)
+    assert codes == [0, 0], results
+    assert results[0]["psum_scatter"] == [6.0, 12.0] and results[1]["psum_scatter"] == [18.0]
+    assert results[0]["psum_scatter_large"] == [[6.0], [12.0]], results[0]
+    assert results[1]["psum_scatter_large"] == [[18.0]], results[1]
+    for r in results:
+        for name in ("all_gather", "all_to_all"):
+            assert r[name]["error"] == "ValueError" and r[name]["seconds"] < 10, r[name]
+            assert f"fdp.{name}" in r[name]["message"], r[name]
+            assert "the same number of replicas in every process, but they run [2, 1]" in r[name]["message"]
 
 
 def test_pmax_and_pmin_propagate_nan_from_any_process_at_every_size(tmp_path: Path) -> None:
