@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import gc
 import json
 import os
@@ -23,6 +24,9 @@ from fdp import optim
 
 
 def start(rank: int, world: int, folder: str, timeout: float = 30.0) -> None:
+    # A rank that aborts (SIGABRT in C++ code) prints every thread's Python stack to the test's
+    # captured stderr: the one clue to which thread was where.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     store = dist.FileStore(str(Path(folder) / "store"), world)
     fdp.distributed.initialize(backend="gloo", rank=rank, world_size=world, store=store, timeout=timeout)
