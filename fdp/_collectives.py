@@ -29,6 +29,8 @@ Differentiation, two ways:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import operator
 import sys
@@ -856,6 +858,11 @@ class _Permute(_Op):
     def key(self) -> Hashable:
         return (self.name, f"perm={list(self.perm)}", self.transposes)
 
+    def label(self) -> str:
+        # With the perm: processes that passed different ones would each send rows that no
+        # receiver expects (gloo aborts the process on a size it did not expect).
+        return _replica._describe(self.key(), True)
+
     def inverse(self) -> _Permute:
         return self.transposed(_Permute(tuple((dst, src) for src, dst in self.perm)))
 
@@ -866,19 +873,70 @@ class _Permute(_Op):
         group: _replica.CallGroup,
         layout: _distributed.Layout | None = None,
     ) -> list[torch.Tensor]:
-        # Across processes every buffer is gathered first (simple, not the cheapest way).
-        everyone = _gathered(buffers, group, self.name, layout) if group.distributed else None
+        arrived, received = (
+            self._across_processes(buffers, group, layout) if group.distributed else ({}, None)
+        )
         out = []
         for r, device in enumerate(b.device for b in buffers):
             src = self.source_of.get(group.offset + r)
             if src is None:
                 out.append(torch.zeros_like(buffers[r]))
-            elif everyone is not None:
-                out.append(_transfer.to_device(everyone[src], device).clone())
-            else:
-                moved = _transfer.to_device(buffers[src], device)
-                out.append(moved.clone() if moved is buffers[src] else moved)
+            elif r in arrived:
+                out.append(_transfer.to_device(arrived[r], device).clone())
+            else:  # from a replica of this process
+                moved = _transfer.to_device(buffers[src - group.offset], device)
+                out.append(moved.clone() if moved is buffers[src - group.offset] else moved)
+        if received is not None and received.requires_grad:
+            # Differentiated through the whole call, every process's backward must reach the
+            # exchange's, which sends the cotangents back: also a process that received nothing
+            # (its replicas' zeros, or values from its own replicas, depend on no exchange).
+            out = [_Tied.apply(o, received) for o in out]
         return out
+
+    def _across_processes(
+        self, buffers: list[torch.Tensor], group: _replica.CallGroup, layout: _distributed.Layout | None
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """What the other processes' replicas send this one's, by local replica, and the tensor of
+        all of it: one all_to_all in which each process sends only the buffers that another
+        one's replicas receive. (Every process works out every pair from the same ``perm`` and
+        counts.)"""
+        starts = list(itertools.accumulate(group.counts, initial=0))
+        owner = lambda j: bisect.bisect_right(starts, j) - 1  # noqa: E731 - the process of replica j
+        me, processes = _distributed.rank(), len(group.counts)
+        outgoing: list[list[int]] = [[] for _ in range(processes)]  # local sources, by process
+        incoming: list[list[int]] = [[] for _ in range(processes)]  # local destinations, by process
+        for src, dst in self.perm:
+            sender, receiver = owner(src), owner(dst)
+            if sender == me and receiver != me:
+                outgoing[receiver].append(src - group.offset)
+            elif receiver == me and sender != me:
+                incoming[sender].append(dst - group.offset)
+        sent = [buffers[i] for part in outgoing for i in part]
+        device = buffers[0].device
+        # None to send: still a function of a buffer, whose backward receives the cotangents.
+        rows = (
+            torch.stack([_transfer.to_device(b, device) for b in sent]) if sent else buffers[0][None, ...][:0]
+        )
+        received = _distributed.send_rows(
+            rows, [len(p) for p in outgoing], [len(p) for p in incoming], self.label(), layout
+        )
+        # One unbind, not an index per row (see _ReduceScatter).
+        return dict(zip((r for part in incoming for r in part), received.unbind())), received
+
+
+class _Tied(torch.autograd.Function):
+    """``value`` (a tensor of its own) as it is, with ``other`` among its inputs, for the
+    backward to reach (its gradient: none)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Marked as changed in place, not returned as a view: the caller may change it in place.
+        ctx.mark_dirty(value)
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 # --- running an op: the two differentiation modes ----------------------------------------------

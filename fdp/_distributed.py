@@ -1104,14 +1104,20 @@ def _collective(
     *,
     kind: str = "collective",
     layout: Layout | None = None,
+    described: str | None = None,
 ) -> tuple[list[int], list[torch.Tensor] | None]:
     """Checks that every process is at this collective (:func:`_agree`), with ``layout``'s
     signature if given (the tree that ``tensor`` packs), then, unless
     ``tensor`` travelled along, issues ``issues`` (async process-group calls on ``tensor``'s
     device) on the communicator, all before any is waited for, and waits for them. Returns every
-    process's ``payload``, and every process's ``tensor`` if it travelled along."""
+    process's ``payload``, and every process's ``tensor`` if it travelled along.
+
+    ``described``: what the processes compare of ``tensor`` where its size differs between
+    them (rows sent to some processes only); such a tensor never travels along."""
     state = _live_state()
-    described = "" if tensor is None else _describe_tensor(tensor)
+    travels = described is None
+    if described is None:
+        described = "" if tensor is None else _describe_tensor(tensor)
     # The signature and the device type first: an entry too long for the exchange is cut at
     # its end.
     signature = "" if layout is None else layout.signature
@@ -1121,7 +1127,9 @@ def _collective(
     device = torch.device("cpu") if tensor is None else tensor.device
 
     def work() -> tuple[list[int], list[torch.Tensor] | None]:
-        payloads, carried = _agree(state, entry, payload, what, tensor if issues else None, layout)
+        payloads, carried = _agree(
+            state, entry, payload, what, tensor if issues and travels else None, layout
+        )
         if carried is not None:
             return payloads, carried
         handles = []
@@ -1186,6 +1194,20 @@ def all_to_all(
     place ``p``: process ``q``'s chunk ``rank``, differentiably (``layout``: as for
     :func:`all_reduce`)."""
     result: torch.Tensor = _AllToAll.apply(tensor, name, layout)
+    return result
+
+
+def send_rows(
+    rows: torch.Tensor,
+    sends: list[int],
+    receives: list[int],
+    name: str = "a collective",
+    layout: Layout | None = None,
+) -> torch.Tensor:
+    """The rows that every process sends this one (``receives[p]`` from process ``p``, in rank
+    order), where this one sends ``sends[q]`` of ``rows`` to process ``q``, in turn,
+    differentiably (``layout``: as for :func:`all_reduce`)."""
+    result: torch.Tensor = _SendRows.apply(rows, sends, receives, name, layout)
     return result
 
 
@@ -1287,6 +1309,21 @@ def _exchange_chunks(tensor: torch.Tensor, name: str, layout: Layout | None = No
     return result
 
 
+def _send_rows(
+    rows: torch.Tensor, sends: list[int], receives: list[int], name: str, layout: Layout | None
+) -> torch.Tensor:
+    """The rows that the processes send here: ``receives[p]`` from process ``p``, in rank order,
+    where this one sends the first ``sends[0]`` rows of ``rows`` to process 0, the next
+    ``sends[1]`` to process 1, and so on (one all_to_all of uneven parts; the counts may be 0)."""
+    source = rows.detach().contiguous()
+    result = source.new_empty((sum(receives), *source.shape[1:]))
+    issue = lambda: dist.all_to_all_single(result, source, receives, sends, async_op=True)  # noqa: E731
+    # The processes compare the rows' shape, not the count of them, which each decides for itself.
+    row = f"rows of {str(source.dtype).removeprefix('torch.')}[{', '.join(str(n) for n in source.shape[1:])}]"
+    _collective(name, "an all_to_all", source, [issue], layout=layout, described=row)
+    return result
+
+
 def _gather(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> torch.Tensor:
     source = tensor.detach().contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size())]
@@ -1359,6 +1396,20 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         # Its own transpose: each chunk's cotangent goes back to where the chunk came from.
         return all_to_all(grad, f"the backward of {ctx.name}"), None, None
+
+
+class _SendRows(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, rows: torch.Tensor, sends: list[int], receives: list[int], name: str, layout: Layout | None
+    ) -> torch.Tensor:
+        ctx.sends, ctx.receives, ctx.name = sends, receives, name
+        return _send_rows(rows, sends, receives, name, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        # Each row's cotangent goes back to the process that sent the row.
+        return send_rows(grad, ctx.receives, ctx.sends, f"the backward of {ctx.name}"), None, None, None, None
 
 
 @_thread_state.without_autocast  # torch.cat keeps every dtype under any autocast

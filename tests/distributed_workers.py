@@ -423,6 +423,9 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         "gathered": lambda x: fdp.all_gather(torch.ones(2 + r, 3 - r), "i"),
         # Alike in shape: each replica's rows on one process, its columns on the other.
         "exchanged": lambda x: fdp.all_to_all(torch.ones(4, 4), "i", r, 0),
+        # Each process sends rows of its own count: the rows' shapes and the perm are compared.
+        "permuted": lambda x: fdp.ppermute(x, "i", [[(0, 2)], [(2, 0)]][r]),
+        "permuted_shapes": lambda x: fdp.ppermute(torch.ones(2 + r), "i", [(0, 2), (3, 1)]),
         # One process packs two buffers (float32, float64), the other one.
         "dtypes": lambda x: fdp.pmean({"a": x, "b": x.to((torch.float64, torch.float32)[r])}, "i"),
         # Alike when packed: a square leaf's rows on one process, its columns on the other.
@@ -571,7 +574,9 @@ def tied_extremes(rank: int, world: int, folder: str) -> None:
 
 def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
     """Rank 0 runs 2 replicas, rank 1 one: psum_scatter over the 3 (small, and past what
-    travels with the check), and the collectives that need equal counts refused alike."""
+    travels with the check), ppermute (values, and gradients through the call and inside
+    replicas where only one process receives), and the collectives that need equal counts
+    refused alike."""
     start(rank, world, folder)
     try:
         devices = ["cpu"] * (2 - rank)
@@ -583,7 +588,21 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
             "psum_scatter_large": f(
                 lambda x: fdp.psum_scatter(x.sum() * rows * torch.ones(3, 3000), "i")[:1][None]
             )(x).tolist(),
+            "ppermute": f(lambda x: fdp.ppermute(x, "i", [(0, 1), (1, 2), (2, 0)]))(x).tolist(),
         }
+        # Replica 0 (rank 0) sends to replica 2 (rank 1), and no one else sends: rank 0 gets
+        # zeros (then changed in place) and no values, yet its backward sends rank 1's cotangent
+        # back to replica 0, d/dw sum_r (r + 1) * out_r = 2 x_0 (r = 2 + 1).
+        w = torch.tensor(1.0, requires_grad=True)
+        per_row = lambda g: fdp.pmap(g, axis_name="i", in_axes=(0, None), devices=devices)  # noqa: E731
+        out = per_row(lambda x, w: fdp.ppermute(x * w * torch.ones(2), "i", [(0, 2)]).add_(1))(x, w)
+        (out * (rows[:2] if rank == 0 else rows[2:])).sum().backward()
+        result["ppermute_outer_grad"] = None if w.grad is None else float(w.grad)
+        result["ppermute_inner_grad"] = f(
+            lambda x: torch.func.grad(
+                lambda x: (fdp.ppermute(x * 2, "i", [(0, 2)]) * (fdp.axis_index("i") + 1)).sum()
+            )(x)
+        )(x).tolist()
         for name, collective in (
             ("all_gather", lambda y: fdp.all_gather(y, "i")),
             ("all_to_all", lambda y: fdp.all_to_all(y, "i", 0, 0)),

@@ -390,6 +390,8 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
             "scattered",
             "scattered_shapes",
             "exchanged",
+            "permuted",
+            "permuted_shapes",
         ):
             assert r[case].get("error") == "ValueError", (case, r[case])
             assert r[case]["seconds"] < 10, (case, r[case])
@@ -412,9 +414,17 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         # A reduce_scatter and an all_to_all of their own between the processes, not an
         # all_reduce or an all_gather of every buffer.
         assert "(a reduce_scatter (sum) of float32[4, 4];" in r["scattered"]["message"], r
+        # ppermute sends each process only its rows: the perms and the rows' shapes are compared
+        # (mismatched row counts abort gloo).
+        assert (
+            "rank 1 called fdp.ppermute(perm=[(2, 0)]) (an all_to_all of rows of float32[1];"
+            in (r["permuted"]["message"])
+        ), r["permuted"]
+        assert "at x (an all_to_all, pmapped call #" in r["permuted_shapes"]["message"], r["permuted_shapes"]
+        assert "float32[2] on rank 0, float32[3] on rank 1" in r["permuted_shapes"]["message"], r
         assert (
             "rank 1 called fdp.all_to_all(split_dim=1, concat_dim=0, tiled=False) (an all_to_all of"
-            in (r["exchanged"]["message"])
+            in r["exchanged"]["message"]
         ), r["exchanged"]
         assert "rank 1 called fdp.psum_scatter(dim=1, tiled=False)" in r["scattered"]["message"], r
         assert "float32[4,4] on rank 0, float32[4,8] on rank 1" in r["scattered_shapes"]["message"], r
@@ -587,7 +597,7 @@ def test_pmax_and_pmin_gradients_through_the_call_split_ties_over_every_process(
         assert results[1][name] == pytest.approx([4 / 3, 0.0]), results
 
 
-def test_psum_scatter_spans_processes_with_unequal_replica_counts(tmp_path: Path) -> None:
+def test_psum_scatter_and_ppermute_span_processes_with_unequal_replica_counts(tmp_path: Path) -> None:
     # 3 replicas (2 on rank 0, 1 on rank 1) with sums 1, 2, 3: replica r gets (r + 1) * 6.
     # (A reduce_scatter cuts equal blocks only: here the whole sum is all-reduced.) all_gather
     # and all_to_all need equal counts: every rank refuses them alike, at once, naming them.
@@ -596,6 +606,14 @@ def test_psum_scatter_spans_processes_with_unequal_replica_counts(tmp_path: Path
     assert results[0]["psum_scatter"] == [6.0, 12.0] and results[1]["psum_scatter"] == [18.0]
     assert results[0]["psum_scatter_large"] == [[6.0], [12.0]], results[0]
     assert results[1]["psum_scatter_large"] == [[18.0]], results[1]
+    # A ring over the 3: replica r gets replica r - 1's value.
+    assert results[0]["ppermute"] == [[3.0], [1.0]] and results[1]["ppermute"] == [[2.0]], results
+    # Only replica 0 sends (to replica 2, on rank 1): rank 0's w gets 3 (replica 2's weight)
+    # times 2 entries of x_0 = 1; rank 1's w gets 0 (it sends nothing). Inside, d/dx_0 = 2 * 3.
+    assert results[0]["ppermute_outer_grad"] == 6.0 and results[1]["ppermute_outer_grad"] == 0.0, results
+    assert results[0]["ppermute_inner_grad"] == [[6.0], [0.0]] and results[1]["ppermute_inner_grad"] == [
+        [0.0]
+    ]
     for r in results:
         for name in ("all_gather", "all_to_all"):
             assert r[name]["error"] == "ValueError" and r[name]["seconds"] < 10, r[name]
