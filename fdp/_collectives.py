@@ -736,7 +736,8 @@ def _gathered(
         return stacked
     _check_equal_counts(group, caller)
     gathered = _distributed.all_gather(stacked, caller, layout)
-    return gathered.reshape(-1, *stacked.shape[1:])
+    # flatten, not reshape(-1, ...): a leaf without elements leaves -1 undetermined.
+    return gathered.flatten(0, 1)
 
 
 def _check_equal_counts(group: _replica.CallGroup, caller: str) -> None:

@@ -1382,8 +1382,8 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         # Row block p of every process's input went to process p's output: its cotangent.
-        gathered = all_gather(grad, f"the backward of {ctx.name}")
-        return gathered.reshape(-1, *grad.shape[1:]), None, None
+        # flatten, not reshape(-1, ...): a tensor without elements leaves -1 undetermined.
+        return all_gather(grad, f"the backward of {ctx.name}").flatten(0, 1), None, None
 
 
 class _AllToAll(torch.autograd.Function):

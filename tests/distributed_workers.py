@@ -615,6 +615,47 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
         fdp.distributed.shutdown()
 
 
+def empty_exchanges(rank: int, world: int, folder: str) -> None:
+    """2 ranks x 2 CPU replicas: all_gather, psum_scatter, all_to_all and ppermute of leaves
+    with no elements, through the whole call (outer) and inside the replicas: the shapes of
+    the results and the gradients, or the error."""
+    start(rank, world, folder)
+    try:
+        x = torch.arange(1.0, 3.0)[:, None] + 2 * rank
+        per_row = lambda g: fdp.pmap(g, axis_name="i", in_axes=(0, None), devices=["cpu", "cpu"])  # noqa: E731
+
+        def shapes(call: Callable[[], list[list[int]]]) -> dict:
+            try:
+                return {"shapes": call()}
+            except Exception as error:  # noqa: BLE001
+                return {"error": type(error).__name__, "message": str(error)}
+
+        result: dict = {}
+        for name, collective in (
+            ("all_gather", lambda y: fdp.all_gather(y, "i")),
+            ("psum_scatter", lambda y: fdp.psum_scatter(y, "i")),
+            ("all_to_all", lambda y: fdp.all_to_all(y, "i", 0, 0)),
+            ("ppermute", lambda y: fdp.ppermute(y, "i", [(0, 2), (3, 1)])),
+        ):
+
+            def outer(collective: Callable = collective) -> list[list[int]]:
+                w = torch.ones(4, 0, requires_grad=True)
+                out = per_row(lambda x, w: collective(x.sum() * w))(x, w)
+                out.sum().backward()
+                assert w.grad is not None
+                return [list(out.shape), list(w.grad.shape)]
+
+            def inner(collective: Callable = collective) -> list[list[int]]:
+                grad = lambda x, w: torch.func.grad(lambda w: collective(x.sum() * w).sum())(w)  # noqa: E731
+                return [list(per_row(grad)(x, torch.ones(4, 0)).shape)]
+
+            result[f"{name}_outer"] = shapes(outer)
+            result[f"{name}_inner"] = shapes(inner)
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def nan_extremes(rank: int, world: int, folder: str) -> None:
     """pmax/pmin where one element is NaN on one rank only, small (travels with the check) and
     past 8 KiB (a process-group all_reduce): NaN wins in both, as in one process."""

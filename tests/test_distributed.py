@@ -621,6 +621,21 @@ def test_psum_scatter_and_ppermute_span_processes_with_unequal_replica_counts(tm
             assert "the same number of replicas in every process, but they run [2, 1]" in r[name]["message"]
 
 
+def test_exchanges_of_leaves_without_elements_span_processes(tmp_path: Path) -> None:
+    # Shapes with a 0 in them: the rows of every process joined by reshape(-1, 0) raised
+    # "cannot reshape tensor of 0 elements" (all_gather, and psum_scatter's backward).
+    results, codes = spawn(distributed_workers.empty_exchanges, tmp_path)
+    assert codes == [0, 0], results
+    # Each rank's 2 replicas' results, joined along dim 0 (as 4 replicas in one process give
+    # twice as many rows); the gradient of the unmapped w of shape [4, 0], and inside, of w
+    # in each replica.
+    outputs = {"all_gather": [8, 4, 0], "psum_scatter": [0], "all_to_all": [8, 0], "ppermute": [8, 0]}
+    for r in results:
+        for name, out in outputs.items():
+            assert r[f"{name}_outer"] == {"shapes": [out, [4, 0]]}, (name, r[f"{name}_outer"])
+            assert r[f"{name}_inner"] == {"shapes": [[8, 0]]}, (name, r[f"{name}_inner"])
+
+
 def test_pmax_and_pmin_propagate_nan_from_any_process_at_every_size(tmp_path: Path) -> None:
     # As torch.maximum and the replicas of one process do; gloo's own MAX/MIN keep whichever
     # operand comes first where one is NaN.
