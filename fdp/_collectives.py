@@ -734,8 +734,16 @@ def _gathered(
     stacked = torch.stack([_transfer.to_device(b, buffers[0].device) for b in buffers])
     if not group.distributed:
         return stacked
-    _check_equal_counts(group, caller)
+    counts = group.counts
+    if len(buffers) < max(counts):
+        # An all_gather moves parts of one size: a process with fewer replicas than another
+        # sends zeros after its rows, which every process drops on arrival (differentiably:
+        # this is also psum_scatter's transpose, whose replica counts may differ).
+        padding = stacked.new_zeros((max(counts) - len(buffers), *stacked.shape[1:]))
+        stacked = torch.cat([stacked, padding])
     gathered = _distributed.all_gather(stacked, caller, layout)
+    if len(set(counts)) > 1:
+        return torch.cat([rows[:count] for rows, count in zip(gathered.unbind(), counts)])
     # flatten, not reshape(-1, ...): a leaf without elements leaves -1 undetermined.
     return gathered.flatten(0, 1)
 

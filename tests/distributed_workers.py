@@ -575,7 +575,8 @@ def tied_extremes(rank: int, world: int, folder: str) -> None:
 def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
     """Rank 0 runs 2 replicas, rank 1 one: psum_scatter over the 3 (small, and past what
     travels with the check), ppermute (values, and gradients through the call and inside
-    replicas where only one process receives), and the collectives that need equal counts
+    replicas where only one process receives), all_gather (values, gradients through the call,
+    and as psum_scatter's transpose inside replicas), and all_to_all, which needs equal counts,
     refused alike."""
     start(rank, world, folder)
     try:
@@ -603,13 +604,27 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
                 lambda x: (fdp.ppermute(x * 2, "i", [(0, 2)]) * (fdp.axis_index("i") + 1)).sum()
             )(x)
         )(x).tolist()
-        for name, collective in (
-            ("all_gather", lambda y: fdp.all_gather(y, "i")),
-            ("all_to_all", lambda y: fdp.all_to_all(y, "i", 0, 0)),
-        ):
-            result[name] = timed_outcome(
-                lambda collective=collective: f(lambda x: collective(x.sum() * rows))(x)
-            )
+        # all_gather (rank 1 pads its part to rank 0's 2 rows), also as psum_scatter's
+        # transpose inside the replicas: small, and past what travels with the check.
+        for size in (1, 3000):
+            suffix = "" if size == 1 else "_large"
+            result[f"all_gather{suffix}"] = f(
+                lambda x, size=size: fdp.all_gather(x.sum() * torch.ones(size), "i")[:, -1][None]
+            )(x).tolist()
+            w = torch.tensor(1.0, requires_grad=True)
+            out = per_row(lambda x, w, size=size: fdp.all_gather(x * w * torch.ones(size), "i").sum(-1))(x, w)
+            (out.flatten() * torch.arange(1.0, out.numel() + 1)).sum().backward()  # x_0, x_1, x_2, ...
+            result[f"all_gather_outer_grad{suffix}"] = None if w.grad is None else float(w.grad)
+            result[f"psum_scatter_inner_grad{suffix}"] = f(
+                lambda x, size=size: torch.func.grad(
+                    lambda x: (
+                        fdp.psum_scatter(x.sum() * rows * torch.ones(size), "i") * (fdp.axis_index("i") + 1)
+                    ).sum()
+                )(x)
+            )(x).tolist()
+        result["all_to_all"] = timed_outcome(
+            lambda: f(lambda x: fdp.all_to_all(x.sum() * rows, "i", 0, 0))(x)
+        )
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()

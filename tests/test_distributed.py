@@ -597,10 +597,12 @@ def test_pmax_and_pmin_gradients_through_the_call_split_ties_over_every_process(
         assert results[1][name] == pytest.approx([4 / 3, 0.0]), results
 
 
-def test_psum_scatter_and_ppermute_span_processes_with_unequal_replica_counts(tmp_path: Path) -> None:
+def test_psum_scatter_ppermute_and_all_gather_span_processes_with_unequal_replica_counts(
+    tmp_path: Path,
+) -> None:
     # 3 replicas (2 on rank 0, 1 on rank 1) with sums 1, 2, 3: replica r gets (r + 1) * 6.
-    # (A reduce_scatter cuts equal blocks only: here the whole sum is all-reduced.) all_gather
-    # and all_to_all need equal counts: every rank refuses them alike, at once, naming them.
+    # (A reduce_scatter cuts equal blocks only: here the whole sum is all-reduced.) all_to_all
+    # needs equal counts: every rank refuses it alike, at once, naming them.
     results, codes = spawn(distributed_workers.unequal_replica_counts, tmp_path)
     assert codes == [0, 0], results
     assert results[0]["psum_scatter"] == [6.0, 12.0] and results[1]["psum_scatter"] == [18.0]
@@ -614,11 +616,24 @@ def test_psum_scatter_and_ppermute_span_processes_with_unequal_replica_counts(tm
     assert results[0]["ppermute_inner_grad"] == [[6.0], [0.0]] and results[1]["ppermute_inner_grad"] == [
         [0.0]
     ]
+    for suffix, size in (("", 1), ("_large", 3000)):
+        # Every replica gets the 3 values; rank 1's padding row is dropped.
+        assert results[0][f"all_gather{suffix}"] == [[1.0, 2.0, 3.0]] * 2, results[0]
+        assert results[1][f"all_gather{suffix}"] == [[1.0, 2.0, 3.0]], results[1]
+        # Rows 1..6 of rank 0's output and 1..3 of rank 1's weigh x_j's row j by
+        # (j + 1) + (j + 4) + (j + 1): rank 0's w gets 1 * 6 + 2 * 9, rank 1's 3 * 12, each
+        # times the size.
+        assert results[0][f"all_gather_outer_grad{suffix}"] == 24.0 * size, results[0]
+        assert results[1][f"all_gather_outer_grad{suffix}"] == 36.0 * size, results[1]
+        # Replica r's row weighs r + 1: d/dx_j = sum_r (r + 1) * (r + 1) * size = 14 * size.
+        assert results[0][f"psum_scatter_inner_grad{suffix}"] == [[14.0 * size]] * 2, results[0]
+        assert results[1][f"psum_scatter_inner_grad{suffix}"] == [[14.0 * size]], results[1]
     for r in results:
-        for name in ("all_gather", "all_to_all"):
-            assert r[name]["error"] == "ValueError" and r[name]["seconds"] < 10, r[name]
-            assert f"fdp.{name}" in r[name]["message"], r[name]
-            assert "the same number of replicas in every process, but they run [2, 1]" in r[name]["message"]
+        assert r["all_to_all"]["error"] == "ValueError" and r["all_to_all"]["seconds"] < 10, r["all_to_all"]
+        assert "fdp.all_to_all" in r["all_to_all"]["message"], r["all_to_all"]
+        assert (
+            "the same number of replicas in every process, but they run [2, 1]" in r["all_to_all"]["message"]
+        )
 
 
 def test_exchanges_of_leaves_without_elements_span_processes(tmp_path: Path) -> None:
