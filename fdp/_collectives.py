@@ -748,15 +748,6 @@ def _gathered(
     return gathered.flatten(0, 1)
 
 
-def _check_equal_counts(group: _replica.CallGroup, caller: str) -> None:
-    if len(set(group.counts)) > 1:
-        raise ValueError(
-            f"{caller} across processes needs the same number of replicas in every process, but "
-            f"they run {group.counts}; give every process the same share of the batch "
-            "(fdp.distributed.shard_batch)"
-        )
-
-
 class _AllGather(_Op):
     """result_r = stack_j(x_j) along a new leading dim; transpose: psum_scatter."""
 
@@ -838,19 +829,21 @@ class _AllToAll(_Op):
     def _across_processes(
         self, buffers: list[torch.Tensor], group: _replica.CallGroup, layout: _distributed.Layout | None
     ) -> list[torch.Tensor]:
-        """One all_to_all between the processes: each sends every other only the rows of its
-        replicas, rather than gathering every buffer everywhere."""
-        _check_equal_counts(group, self.label())
-        n, worlds = len(buffers), len(group.counts)
-        # [source replica i, destination replica j] -> [destination process, i, j's index there]
+        """One all_to_all between the processes: each sends every other only the rows for its
+        replicas (any replica counts), rather than gathering every buffer everywhere."""
+        n, counts = len(buffers), group.counts
+        starts = list(itertools.accumulate(counts, initial=0))
+        # [source replica i, destination replica j]: for each process q, the rows of its j's.
         stacked = torch.stack([_transfer.to_device(b, buffers[0].device) for b in buffers])
-        chunks = stacked.unflatten(1, (worlds, n)).transpose(0, 1)
-        received = _distributed.all_to_all(chunks, self.label(), layout)
-        # [source process, its replica i, destination replica r]: r's rows, in global order of i.
+        rows = torch.cat([stacked[:, starts[q] : starts[q + 1]].flatten(0, 1) for q in range(len(counts))])
+        sizes = [n * c for c in counts]  # sent to q: n x counts[q]; received from p: counts[p] x n
+        received = _distributed.send_rows(rows, sizes, sizes, self.label(), layout)
+        # [global source replica i, destination replica j here]: j's rows, in global order of i.
         # One unbind (see _ReduceScatter), then each replica's rows in memory of its own.
+        by_source = torch.cat([part.unflatten(0, (c, n)) for part, c in zip(received.split(sizes), counts)])
         return [
-            _transfer.to_device(rows, b.device).clone(memory_format=torch.contiguous_format).flatten(0, 1)
-            for rows, b in zip(received.unbind(2), buffers)
+            _transfer.to_device(mine, b.device).clone(memory_format=torch.contiguous_format)
+            for mine, b in zip(by_source.unbind(1), buffers)
         ]
 
 

@@ -1187,16 +1187,6 @@ def reduce_scatter(
     return result
 
 
-def all_to_all(
-    tensor: torch.Tensor, name: str = "a collective", layout: Layout | None = None
-) -> torch.Tensor:
-    """``tensor`` (``world`` chunks alike along dim 0) with chunk ``p`` of every process's in
-    place ``p``: process ``q``'s chunk ``rank``, differentiably (``layout``: as for
-    :func:`all_reduce`)."""
-    result: torch.Tensor = _AllToAll.apply(tensor, name, layout)
-    return result
-
-
 def send_rows(
     rows: torch.Tensor,
     sends: list[int],
@@ -1295,20 +1285,6 @@ def _scatter_sum(tensor: torch.Tensor, name: str, layout: Layout | None = None) 
     return result
 
 
-def _exchange_chunks(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> torch.Tensor:
-    """Chunk ``p`` of dim 0 of ``tensor`` (``world`` chunks alike) goes to process ``p``, as its
-    chunk ``rank``: one all_to_all, which moves only what each process keeps."""
-    source = tensor.detach().contiguous()
-    result = torch.empty_like(source)
-    issue = lambda: dist.all_to_all_single(result, source, async_op=True)  # noqa: E731
-    _, carried = _collective(name, "an all_to_all", source, [issue], layout=layout)
-    if carried is not None:
-        rows = source.shape[0] // world_size()
-        for p, chunk in enumerate(carried):
-            result[p * rows : (p + 1) * rows] = chunk[rank() * rows : (rank() + 1) * rows]
-    return result
-
-
 def _send_rows(
     rows: torch.Tensor, sends: list[int], receives: list[int], name: str, layout: Layout | None
 ) -> torch.Tensor:
@@ -1384,18 +1360,6 @@ class _ReduceScatter(torch.autograd.Function):
         # Row block p of every process's input went to process p's output: its cotangent.
         # flatten, not reshape(-1, ...): a tensor without elements leaves -1 undetermined.
         return all_gather(grad, f"the backward of {ctx.name}").flatten(0, 1), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str, layout: Layout | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.name = name
-        return _exchange_chunks(tensor, name, layout)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        # Its own transpose: each chunk's cotangent goes back to where the chunk came from.
-        return all_to_all(grad, f"the backward of {ctx.name}"), None, None
 
 
 class _SendRows(torch.autograd.Function):

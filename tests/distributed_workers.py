@@ -576,14 +576,13 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
     """Rank 0 runs 2 replicas, rank 1 one: psum_scatter over the 3 (small, and past what
     travels with the check), ppermute (values, and gradients through the call and inside
     replicas where only one process receives), all_gather (values, gradients through the call,
-    and as psum_scatter's transpose inside replicas), and all_to_all, which needs equal counts,
-    refused alike."""
+    and as psum_scatter's transpose inside replicas), and all_to_all (values and gradients)."""
     start(rank, world, folder)
     try:
         devices = ["cpu"] * (2 - rank)
         f = lambda g: fdp.pmap(g, axis_name="i", devices=devices)  # noqa: E731
         x = torch.arange(1.0, 4.0)[:, None][[slice(0, 2), slice(2, 3)][rank]]  # replica j holds j + 1
-        rows = torch.arange(1.0, 4.0)[:, None]  # row r: r + 1
+        rows = torch.arange(1.0, 4.0)[:, None]  # row r: r + 1 (also source i's weight i + 1)
         result: dict = {
             "psum_scatter": f(lambda x: fdp.psum_scatter(x.sum() * rows, "i"))(x).tolist(),
             "psum_scatter_large": f(
@@ -622,9 +621,24 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
                     ).sum()
                 )(x)
             )(x).tolist()
-        result["all_to_all"] = timed_outcome(
-            lambda: f(lambda x: fdp.all_to_all(x.sum() * rows, "i", 0, 0))(x)
-        )
+            # all_to_all: replica r gets row r of every replica's, in order (rank 0 sends rank 1
+            # 2 rows and gets 2 x 1 back).
+            result[f"all_to_all{suffix}"] = f(
+                lambda x, size=size: fdp.all_to_all(
+                    x.sum() * 10 + rows - 1 + torch.zeros(3, size), "i", 0, 0
+                )[:, -1][None]
+            )(x).tolist()
+            w = torch.tensor(1.0, requires_grad=True)
+            out = per_row(
+                lambda x, w, size=size: fdp.all_to_all(x.sum() * w * rows * torch.ones(size), "i", 0, 0)[None]
+            )(x, w)
+            (out * rows).sum().backward()
+            result[f"all_to_all_outer_grad{suffix}"] = float(w.grad)
+            result[f"all_to_all_inner_grad{suffix}"] = f(
+                lambda x, size=size: torch.func.grad(
+                    lambda x: (fdp.all_to_all(x.sum() * rows * torch.ones(size), "i", 0, 0) * rows).sum()
+                )(x)
+            )(x).tolist()
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()
