@@ -1743,5 +1743,6 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
                 f"{caller}: perm {list(pairs)} names replica {index}, but {size} replicas run "
                 f"along axis {axis_name!r} (the batch may have fewer shards than devices)"
             )
-    packed, results = _run(_Permute(pairs), x, axis_name)
+    # Sorted: pairs listed in another order (by another replica or process) are the same perm.
+    packed, results = _run(_Permute(tuple(sorted(pairs))), x, axis_name)
     return packed.unpack(results)

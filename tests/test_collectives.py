@@ -659,6 +659,16 @@ def test_ppermute_rotation() -> None:  # JAX: testCollectivePermute
     torch.testing.assert_close(per_row(lambda x: fdp.ppermute(x, "i", rotation))(x), x.roll(1, 0))
 
 
+def test_ppermute_pairs_in_any_order_are_one_perm() -> None:
+    # A perm is a set of pairs: replicas that list them in different orders call one collective.
+    rotation = [(i, (i + 1) % N) for i in range(N)]
+    x = rows()
+    out = per_row(
+        lambda x: fdp.ppermute(x, "i", rotation[fdp.axis_index("i") :] + rotation[: fdp.axis_index("i")])
+    )(x)
+    torch.testing.assert_close(out, x.roll(1, 0))
+
+
 def test_ppermute_destination_without_source_gets_zeros() -> None:
     shift = [(i, i + 1) for i in range(N - 1)]
     x = rows() + 10
