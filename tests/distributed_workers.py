@@ -590,6 +590,10 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
             )(x).tolist(),
             "ppermute": f(lambda x: fdp.ppermute(x, "i", [(0, 1), (1, 2), (2, 0)]))(x).tolist(),
         }
+        # Batch norm over the 3 replicas' rows: the statistics of the whole batch (an all_gather
+        # of the replicas' counts and sums, rank 1's part padded).
+        norm = fdp.SyncBatchNorm(2, axis_name="i", track_running_stats=False)
+        result["sync_batch_norm"] = f(lambda x: norm(torch.cat([x, x.square()], 1)))(x).tolist()
         # Replica 0 (rank 0) sends to replica 2 (rank 1), and no one else sends: rank 0 gets
         # zeros (then changed in place) and no values, yet its backward sends rank 1's cotangent
         # back to replica 0, d/dw sum_r (r + 1) * out_r = 2 x_0 (r = 2 + 1).

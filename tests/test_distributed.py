@@ -607,6 +607,11 @@ def test_collectives_span_processes_with_unequal_replica_counts(
     assert results[0]["psum_scatter"] == [6.0, 12.0] and results[1]["psum_scatter"] == [18.0]
     assert results[0]["psum_scatter_large"] == [[6.0], [12.0]], results[0]
     assert results[1]["psum_scatter_large"] == [[18.0]], results[1]
+    x = torch.arange(1.0, 4.0)[:, None]
+    whole = torch.nn.functional.batch_norm(torch.cat([x, x.square()], 1), None, None, training=True)
+    torch.testing.assert_close(
+        torch.tensor(results[0]["sync_batch_norm"] + results[1]["sync_batch_norm"]), whole
+    )
     # A ring over the 3: replica r gets replica r - 1's value.
     assert results[0]["ppermute"] == [[3.0], [1.0]] and results[1]["ppermute"] == [[2.0]], results
     # Only replica 0 sends (to replica 2, on rank 1): rank 0's w gets 3 (replica 2's weight)
