@@ -632,7 +632,15 @@ def shutdown() -> None:
             state.store.set(_left_key(state, state.rank), str(state.calls))
     _STATE = None
     state.communicator.close()
-    if state.owns_group and _group_alive(state):  # not a group made after the user destroyed it
+    destroy = state.owns_group and _group_alive(state)  # not a group made after the user destroyed it
+    # Frames of failed collectives (in exceptions' tracebacks, cycles that only the garbage
+    # collector frees) hold this state: through it they would keep the group, and its gloo
+    # threads, past destroy_process_group, to a collection at interpreter exit. A gloo thread
+    # that drops the last reference to a finished collective then takes the GIL of an
+    # interpreter that is shutting down, and the process aborts ("terminate called without an
+    # active exception"). Destroyed here, the group joins its threads now.
+    state.group = None
+    if destroy:
         dist.destroy_process_group()
 
 

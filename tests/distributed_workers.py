@@ -298,6 +298,30 @@ def group_freed_at_shutdown(rank: int, world: int, folder: str) -> None:
     report(folder, rank, {"running": running, "after_shutdown": gloo_threads()})
 
 
+def group_freed_after_failed_collectives(rank: int, world: int, folder: str) -> None:
+    """Collectives that failed on every rank (each ValueError's traceback holds frames that
+    hold fdp's state, a cycle only the garbage collector frees), then shutdown: the group must
+    be freed by shutdown all the same, not by a collection at interpreter exit, where a gloo
+    thread that drops the last reference to a finished collective takes the GIL of an
+    interpreter that is shutting down, and the process aborts."""
+    start(rank, world, folder)
+    gc.disable()  # no collection by chance: the cycles stay, as they may at exit
+    try:
+        running = gloo_threads()
+        for shape in ((1 + rank,), (3000 + rank,)):
+            with contextlib.suppress(ValueError):
+                fdp.pmap(lambda x, shape=shape: fdp.psum(torch.ones(shape), "i"), axis_name="i")(
+                    torch.ones(2)
+                )
+    finally:
+        fdp.distributed.shutdown()
+    deadline = time.monotonic() + 5  # (gloo's threads end on their own once the group is destroyed)
+    while gloo_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report(folder, rank, {"running": running, "after_shutdown": gloo_threads()})
+    gc.enable()
+
+
 def dying_rank(rank: int, world: int, folder: str) -> None:
     """Rank 1 dies without a word (os._exit) while rank 0 waits for it in a psum: gloo reports the
     closed connection at once, and rank 0 must fail at once too, not spin until the timeout."""

@@ -153,6 +153,12 @@ def test_shutdown_frees_the_group_even_after_torch_dynamo_is_imported(tmp_path: 
     assert all(r["running"] > 0 and r["after_shutdown"] == 0 for r in results), results
 
 
+def test_shutdown_frees_the_group_that_failed_collectives_left_in_cycles(tmp_path: Path) -> None:
+    results, codes = spawn(distributed_workers.group_freed_after_failed_collectives, tmp_path)
+    assert codes == [0, 0], results
+    assert all(r["running"] > 0 and r["after_shutdown"] == 0 for r in results), results
+
+
 def test_a_failing_rank_makes_the_others_fail_fast_naming_it(tmp_path: Path) -> None:
     results, codes = spawn(distributed_workers.failing_rank, tmp_path)
     assert codes[1] != 0 and results[1]["error"] == "ValueError"
