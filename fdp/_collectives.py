@@ -886,8 +886,9 @@ class _Permute(_Op):
             elif r in arrived:
                 out.append(_transfer.to_device(arrived[r], device).clone())
             else:  # from a replica of this process
-                moved = _transfer.to_device(buffers[src - group.offset], device)
-                out.append(moved.clone() if moved is buffers[src - group.offset] else moved)
+                local = buffers[src - group.offset]
+                moved = _transfer.to_device(local, device)
+                out.append(moved.clone() if moved is local else moved)
         if received is not None and received.requires_grad:
             # Differentiated through the whole call, every process's backward must reach the
             # exchange's, which sends the cotangents back: also a process that received nothing

@@ -905,8 +905,9 @@ def _slot_bytes(world: int) -> int:
     return min(8192, 65536 // world) // 16 * 16
 
 
-def _describe_tensor(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(str(n) for n in tensor.shape)}]"
+def _describe_tensor(tensor: torch.Tensor, dims: slice = slice(None)) -> str:
+    """``tensor``'s dtype and shape (its ``dims`` of it), as ``float32[2, 3]``."""
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(str(n) for n in tensor.shape[dims])}]"
 
 
 def _encode(entry: str, payload: int, data: torch.Tensor | None, slot: int) -> torch.Tensor:
@@ -1286,7 +1287,8 @@ def _scatter_sum(tensor: torch.Tensor, name: str, layout: Layout | None = None) 
     issue = lambda: _reduce_scatter_single(_as_real(result), _as_real(source), async_op=True)  # noqa: E731
     _, carried = _collective(name, "a reduce_scatter (sum)", source, [issue], layout=layout)
     if carried is not None:
-        mine = [c[rank() * rows : (rank() + 1) * rows] for c in carried]
+        start = rank() * rows
+        mine = [c[start : start + rows] for c in carried]
         result.copy_(mine[0])
         for other in mine[1:]:
             result.add_(other)
@@ -1303,7 +1305,7 @@ def _send_rows(
     result = source.new_empty((sum(receives), *source.shape[1:]))
     issue = lambda: dist.all_to_all_single(result, source, receives, sends, async_op=True)  # noqa: E731
     # The processes compare the rows' shape, not the count of them, which each decides for itself.
-    row = f"rows of {str(source.dtype).removeprefix('torch.')}[{', '.join(str(n) for n in source.shape[1:])}]"
+    row = f"rows of {_describe_tensor(source, slice(1, None))}"
     _collective(name, "an all_to_all", source, [issue], layout=layout, described=row)
     return result
 
