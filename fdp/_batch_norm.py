@@ -79,6 +79,9 @@ class SyncBatchNorm(_BatchNorm):
         axis_name: the ``axis_name`` of the :func:`fdp.pmap` (or :class:`fdp.DataParallel`)
             whose replicas share their statistics. Keyword-only, required.
         bias: with ``affine``, a learnable bias. Default: ``True``.
+        process_group: ``None`` only, for code ported from ``nn.SyncBatchNorm``: the layer
+            shares statistics with the replicas of ``axis_name``, across the processes of
+            :mod:`fdp.distributed` too. Keyword-only. Default: ``None``.
 
     Examples:
         >>> import torch, fdp
@@ -115,7 +118,24 @@ class SyncBatchNorm(_BatchNorm):
         *,
         axis_name: Hashable,
         bias: bool = True,
+        process_group: None = None,
     ) -> None:
+        # nn.SyncBatchNorm's sixth positional parameter is process_group, nn.BatchNorm2d's (and
+        # this one's) device: a process group passed there got torch's "empty(): argument
+        # 'device' must be torch.device", naming neither this layer nor what to do.
+        no_group = (
+            "fdp.SyncBatchNorm takes no process group, unlike nn.SyncBatchNorm: the replicas of its "
+            "axis_name share their statistics, across the processes of fdp.distributed too"
+        )
+        if device is not None and not isinstance(device, str | int | torch.device):
+            raise TypeError(
+                "fdp.SyncBatchNorm: device (the sixth positional parameter, as in nn.BatchNorm2d) must "
+                f"be a torch.device, str or int, got {type(device).__name__}: {device!r}. {no_group}"
+            )
+        if process_group is not None:
+            raise TypeError(
+                f"fdp.SyncBatchNorm: process_group must be None, got {process_group!r}. {no_group}"
+            )
         if axis_name is None:
             raise ValueError(
                 "fdp.SyncBatchNorm: axis_name must name the pmapped axis whose replicas share "

@@ -19,6 +19,13 @@ from torch import nn
 import fdp
 
 
+class ProcessGroup:
+    """Stands in for torch.distributed's ProcessGroup in messages."""
+
+    def __repr__(self) -> str:
+        return "<ProcessGroup>"
+
+
 def nested(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A nested tensor of torch's strided layout (its prototype warning silenced)."""
     with warnings.catch_warnings():
@@ -894,6 +901,26 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"unbound axis name: batch \(fdp.SyncBatchNorm: the function being mapped was given no "
         r"axis_name\): .* fdp.pmap\(..., axis_name='batch'\), or give "
         r"fdp.DataParallel\(..., axis_name='batch'\)",
+    ),
+    (
+        # nn.SyncBatchNorm's sixth positional parameter (a stand-in for a ProcessGroup: making one
+        # needs torch.distributed started)
+        "a process group given to `fdp.SyncBatchNorm`",
+        lambda: (),
+        lambda a: fdp.SyncBatchNorm(2, 1e-5, 0.1, True, True, ProcessGroup(), axis_name="batch"),
+        TypeError,
+        r"^fdp.SyncBatchNorm: device \(the sixth positional parameter, as in nn.BatchNorm2d\) must be a "
+        r"torch.device, str or int, got ProcessGroup: <ProcessGroup>. fdp.SyncBatchNorm takes no process "
+        r"group, unlike nn.SyncBatchNorm: the replicas of its axis_name share their statistics, across "
+        r"the processes of fdp.distributed too$",
+    ),
+    (
+        "a process group given to `fdp.SyncBatchNorm`",
+        lambda: (),
+        lambda a: fdp.SyncBatchNorm(2, process_group=ProcessGroup(), axis_name="batch"),  # type: ignore[arg-type]
+        TypeError,
+        r"^fdp.SyncBatchNorm: process_group must be None, got <ProcessGroup>. fdp.SyncBatchNorm takes no "
+        r"process group",
     ),
     (
         "bad `compile` option",
