@@ -469,14 +469,19 @@ def _join(
         # An axis past the rank is what a jax.pmap habit gives (out_axes=1 on a vector there
         # inserts a device axis): say which dims exist.
         rank = values[0].dim()
+        # fdp.DataParallel's option is nn.DataParallel's dim, with no jax.pmap habit behind it.
+        option, habit = (
+            ("dim", "as nn.DataParallel's gather does")
+            if caller.startswith("fdp.DataParallel")
+            else ("out_axes", "it inserts no new axis, unlike jax.pmap's")
+        )
         fits = (
-            f"; out_axes concatenates along an existing dim (it inserts no new axis, unlike "
-            f"jax.pmap's): a dim in [{-rank}, {rank - 1}] fits"
+            f"; {option} concatenates along an existing dim ({habit}): a dim in [{-rank}, {rank - 1}] fits"
             if len(ranks) == 1
             else ""
         )
         raise ValueError(
-            f"{caller}: cannot concatenate {path()} along out_axes {axis}: the replicas "
+            f"{caller}: cannot concatenate {path()} along {option} {axis}: the replicas "
             f"returned {kinds}{fits}"
         )
     try:

@@ -1230,3 +1230,17 @@ def test_a_buffer_changed_in_place_in_evaluation_mode_is_named_as_the_users() ->
     model = fdp.DataParallel(Observer().eval(), device_ids=cpus(2))
     with pytest.raises(RuntimeError, match=r"modified buffers\['high'\] in place.*training mode only"):
         model(torch.randn(4, 4))
+
+
+def test_an_output_without_the_dim_to_concatenate_along_is_named_with_dim_not_out_axes() -> None:
+    class ColumnSums(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum(0)  # a vector: it has no dim 1 to concatenate the replicas' along
+
+    with pytest.raises(ValueError) as info:
+        fdp.DataParallel(ColumnSums(), device_ids=cpus(2), dim=1)(torch.randn(4, 3))
+    assert str(info.value) == (
+        "fdp.DataParallel: cannot concatenate output along dim 1: the replicas returned float32[2], "
+        "float32[1]; dim concatenates along an existing dim (as nn.DataParallel's gather does): a dim "
+        "in [-1, 0] fits"
+    )
