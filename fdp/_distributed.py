@@ -1202,11 +1202,17 @@ def send_rows(
     receives: list[int],
     name: str = "a collective",
     layout: Layout | None = None,
+    *,
+    anywhere: bool = True,
 ) -> torch.Tensor:
     """The rows that every process sends this one (``receives[p]`` from process ``p``, in rank
     order), where this one sends ``sends[q]`` of ``rows`` to process ``q``, in turn,
-    differentiably (``layout``: as for :func:`all_reduce`)."""
-    result: torch.Tensor = _SendRows.apply(rows, sends, receives, name, layout)
+    differentiably (``layout``: as for :func:`all_reduce`).
+
+    ``anywhere=False``: every process knows that no process sends any row (a ``ppermute`` whose
+    pairs all stay within processes), so they only check that they are all at this collective,
+    and skip the empty all_to_all."""
+    result: torch.Tensor = _SendRows.apply(rows, sends, receives, name, layout, anywhere)
     return result
 
 
@@ -1296,7 +1302,12 @@ def _scatter_sum(tensor: torch.Tensor, name: str, layout: Layout | None = None) 
 
 
 def _send_rows(
-    rows: torch.Tensor, sends: list[int], receives: list[int], name: str, layout: Layout | None
+    rows: torch.Tensor,
+    sends: list[int],
+    receives: list[int],
+    name: str,
+    layout: Layout | None,
+    anywhere: bool = True,
 ) -> torch.Tensor:
     """The rows that the processes send here: ``receives[p]`` from process ``p``, in rank order,
     where this one sends the first ``sends[0]`` rows of ``rows`` to process 0, the next
@@ -1306,7 +1317,7 @@ def _send_rows(
     issue = lambda: dist.all_to_all_single(result, source, receives, sends, async_op=True)  # noqa: E731
     # The processes compare the rows' shape, not the count of them, which each decides for itself.
     row = f"rows of {_describe_tensor(source, slice(1, None))}"
-    _collective(name, "an all_to_all", source, [issue], layout=layout, described=row)
+    _collective(name, "an all_to_all", source, [issue] if anywhere else [], layout=layout, described=row)
     return result
 
 
@@ -1375,15 +1386,29 @@ class _ReduceScatter(torch.autograd.Function):
 class _SendRows(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, rows: torch.Tensor, sends: list[int], receives: list[int], name: str, layout: Layout | None
+        ctx: Any,
+        rows: torch.Tensor,
+        sends: list[int],
+        receives: list[int],
+        name: str,
+        layout: Layout | None,
+        anywhere: bool,
     ) -> torch.Tensor:
-        ctx.sends, ctx.receives, ctx.name = sends, receives, name
-        return _send_rows(rows, sends, receives, name, layout)
+        ctx.sends, ctx.receives, ctx.name, ctx.anywhere = sends, receives, name, anywhere
+        return _send_rows(rows, sends, receives, name, layout, anywhere)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
         # Each row's cotangent goes back to the process that sent the row.
-        return send_rows(grad, ctx.receives, ctx.sends, f"the backward of {ctx.name}"), None, None, None, None
+        name = f"the backward of {ctx.name}"
+        return (
+            send_rows(grad, ctx.receives, ctx.sends, name, anywhere=ctx.anywhere),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 @_thread_state.without_autocast  # torch.cat keeps every dtype under any autocast

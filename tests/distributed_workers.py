@@ -631,6 +631,26 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
                 lambda x: (fdp.ppermute(x * 2, "i", [(0, 2)]) * (fdp.axis_index("i") + 1)).sum()
             )(x)
         )(x).tolist()
+        # A perm whose pairs stay within rank 0: no all_to_all at all, forward or backward (the
+        # processes only check that they are all at the ppermute); rank 1's replica gets zeros.
+        sent = []
+        all_to_all_single = torch.distributed.all_to_all_single
+        torch.distributed.all_to_all_single = lambda *a, **k: sent.append(1) or all_to_all_single(*a, **k)
+        try:
+            local = [(0, 1), (1, 0)]
+            result["ppermute_local"] = f(lambda x: fdp.ppermute(x, "i", local))(x).tolist()
+            w = torch.tensor(1.0, requires_grad=True)
+            out = per_row(lambda x, w: fdp.ppermute(x * w * torch.ones(2), "i", local).add_(1))(x, w)
+            (out * (rows[:2] if rank == 0 else rows[2:])).sum().backward()
+            result["ppermute_local_outer_grad"] = None if w.grad is None else float(w.grad)
+            result["ppermute_local_inner_grad"] = f(
+                lambda x: torch.func.grad(
+                    lambda x: (fdp.ppermute(x * 2, "i", local) * (fdp.axis_index("i") + 1)).sum()
+                )(x)
+            )(x).tolist()
+        finally:
+            torch.distributed.all_to_all_single = all_to_all_single
+        result["ppermute_local_all_to_alls"] = len(sent)
         # all_gather (rank 1 pads its part to rank 0's 2 rows), also as psum_scatter's
         # transpose inside the replicas: small, and past what travels with the check.
         for size in (1, 3000):

@@ -626,6 +626,15 @@ def test_collectives_span_processes_with_unequal_replica_counts(
     assert results[0]["ppermute_inner_grad"] == [[6.0], [0.0]] and results[1]["ppermute_inner_grad"] == [
         [0.0]
     ]
+    # Replicas 0 and 1 (both on rank 0) swap, with no all_to_all anywhere: d/dw on rank 0 is
+    # 2 entries x (1 * x_1 + 2 * x_0); rank 1's replica gets zeros, and w nothing (but a 0).
+    # Inside: x_0 goes to replica 1 (weight 2), x_1 to replica 0 (weight 1), times 2.
+    assert results[0]["ppermute_local"] == [[2.0], [1.0]] and results[1]["ppermute_local"] == [[0.0]], results
+    assert results[0]["ppermute_local_outer_grad"] == 8.0, results[0]
+    assert results[1]["ppermute_local_outer_grad"] == 0.0, results[1]
+    assert results[0]["ppermute_local_inner_grad"] == [[4.0], [2.0]], results[0]
+    assert results[1]["ppermute_local_inner_grad"] == [[0.0]], results[1]
+    assert results[0]["ppermute_local_all_to_alls"] == results[1]["ppermute_local_all_to_alls"] == 0, results
     for suffix, size in (("", 1), ("_large", 3000)):
         # Every replica gets the 3 values; rank 1's padding row is dropped.
         assert results[0][f"all_gather{suffix}"] == [[1.0, 2.0, 3.0]] * 2, results[0]
