@@ -26,6 +26,7 @@ import enum
 import hashlib
 import importlib
 import json
+import math
 import numbers
 import os
 import queue
@@ -1239,9 +1240,10 @@ def _reduce(tensor: torch.Tensor, op: str, name: str, layout: Layout | None = No
     the exchange that checks the collective, and is reduced here.)"""
     result = tensor.detach().clone().contiguous()
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    wire = _widened(result)
     issues = [
         lambda bucket=bucket: dist.all_reduce(bucket, op=reduce_op, async_op=True)
-        for bucket in _buckets(result.view(-1))
+        for bucket in _buckets(wire.view(-1))
     ]
     # Whether this process's value holds a NaN rides in the check's exchange: gloo's (and
     # NCCL's) MAX and MIN keep whichever operand comes first where one is NaN, so the result
@@ -1256,6 +1258,8 @@ def _reduce(tensor: torch.Tensor, op: str, name: str, layout: Layout | None = No
     flags, carried = _collective(
         name, f"an all_reduce ({op})", result, issues, payload=int(nan), layout=layout
     )
+    if carried is None and wire is not result:
+        result.copy_(wire)
     if carried is None and any(flags):
         mask = _reduce(tensor.detach().isnan().to(torch.uint8), "max", name)  # (no NaN in a mask)
         result.masked_fill_(mask.bool(), float("nan"))
@@ -1276,6 +1280,23 @@ def _reduce(tensor: torch.Tensor, op: str, name: str, layout: Layout | None = No
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _widened(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the processes reduce it: int16 as int32 (a new tensor, which the caller
+    copies back), which gloo and NCCL reduce, where int16 they refuse ("Invalid scalar type");
+    the sum is the same once narrowed back, wrapped as int16 arithmetic wraps it. Any other
+    tensor as it is."""
+    return tensor.to(torch.int32) if tensor.dtype == torch.int16 else tensor
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor``'s memory as bytes, one row of them per row of it (dim 0): what
+    the processes send where they only move values (gathers, all_to_all, broadcast), which gloo
+    then carries for every dtype, as it carries the small tensors of the check. (gloo refuses
+    int16, the unsigned types past uint8 and float8: "Invalid scalar type".)"""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return tensor.view(rows, math.prod(tensor.shape[1:])).view(torch.uint8)
+
+
 def _as_real(tensor: torch.Tensor) -> torch.Tensor:
     """A complex tensor as pairs of reals (gloo and NCCL reduce no complex numbers; a sum of
     pairs is the complex sum), split along the same dim 0; other tensors as they are."""
@@ -1290,8 +1311,11 @@ def _scatter_sum(tensor: torch.Tensor, name: str, layout: Layout | None = None) 
     source = tensor.detach().contiguous()
     rows = source.shape[0] // world_size()
     result = source.new_empty((rows, *source.shape[1:]))
-    issue = lambda: _reduce_scatter_single(_as_real(result), _as_real(source), async_op=True)  # noqa: E731
+    sent, received = _widened(source), _widened(result)
+    issue = lambda: _reduce_scatter_single(_as_real(received), _as_real(sent), async_op=True)  # noqa: E731
     _, carried = _collective(name, "a reduce_scatter (sum)", source, [issue], layout=layout)
+    if carried is None and received is not result:
+        result.copy_(received)
     if carried is not None:
         start = rank() * rows
         mine = [c[start : start + rows] for c in carried]
@@ -1314,7 +1338,7 @@ def _send_rows(
     ``sends[1]`` to process 1, and so on (one all_to_all of uneven parts; the counts may be 0)."""
     source = rows.detach().contiguous()
     result = source.new_empty((sum(receives), *source.shape[1:]))
-    issue = lambda: dist.all_to_all_single(result, source, receives, sends, async_op=True)  # noqa: E731
+    issue = lambda: dist.all_to_all_single(_bytes(result), _bytes(source), receives, sends, async_op=True)  # noqa: E731
     # The processes compare the rows' shape, not the count of them, which each decides for itself.
     row = f"rows of {_describe_tensor(source, slice(1, None))}"
     _collective(name, "an all_to_all", source, [issue] if anywhere else [], layout=layout, described=row)
@@ -1325,7 +1349,11 @@ def _gather(tensor: torch.Tensor, name: str, layout: Layout | None = None) -> to
     source = tensor.detach().contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size())]
     _, carried = _collective(
-        name, "an all_gather", source, [lambda: dist.all_gather(parts, source, async_op=True)], layout=layout
+        name,
+        "an all_gather",
+        source,
+        [lambda: dist.all_gather([_bytes(p) for p in parts], _bytes(source), async_op=True)],
+        layout=layout,
     )
     return torch.stack(parts if carried is None else carried)
 
@@ -1478,7 +1506,7 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
             buffer = torch.cat([t.reshape(-1) for t in tensors])
 
             def issue(buffer: torch.Tensor = buffer) -> Any:
-                return dist.broadcast(buffer, src, async_op=True)
+                return dist.broadcast(_bytes(buffer), src, async_op=True)
 
             _, carried = _collective(*what, buffer, [issue], kind="outside", layout=layout)
             if carried is not None:

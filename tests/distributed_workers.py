@@ -687,9 +687,60 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
                     lambda x: (fdp.all_to_all(x.sum() * rows * torch.ones(size), "i", 0, 0) * rows).sum()
                 )(x)
             )(x).tolist()
+        result["dtypes_gloo_lacks"] = dtypes_gloo_lacks(rank)
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()
+
+
+def dtypes_gloo_lacks(rank: int) -> dict:
+    """Collectives of int16, uint16 and float8 values past the 8 KiB that travel with the
+    check (gloo carries none of these dtypes), with 2 + 1 replicas and 2 + 2: for each call,
+    whether every local replica's result has the bits of one process's, or the error."""
+    outcomes: dict = {}
+    for counts in ([2, 1], [2, 2]):
+        n, first, local = sum(counts), sum(counts[:rank]), counts[rank]
+        ring = [(j, (j + 1) % n) for j in range(n)]
+        moves: dict[str, tuple[Callable, Callable]] = {  # the collective, and replica j's result
+            "all_gather": (lambda v: fdp.all_gather(v, "i", tiled=True), lambda x, j: torch.cat(list(x))),
+            "all_to_all": (
+                lambda v: fdp.all_to_all(v, "i", 0, 1, tiled=True),
+                lambda x, j: torch.cat(list(x[:, 2 * j : 2 * j + 2]), 1),
+            ),
+            "ppermute": (lambda v, ring=ring: fdp.ppermute(v, "i", ring), lambda x, j: x[j - 1]),
+        }
+        sums: dict[str, tuple[Callable, Callable]] = {  # (int16 only: no CPU arithmetic for the others)
+            "psum": (lambda v: fdp.psum(v, "i"), lambda x, j: x.sum(0, dtype=x.dtype)),
+            "psum_scatter": (
+                lambda v: fdp.psum_scatter(v, "i", tiled=True),
+                lambda x, j: x.sum(0, dtype=x.dtype)[2 * j : 2 * j + 2],
+            ),
+            "pmax": (lambda v: fdp.pmax(v, "i"), lambda x, j: x.amax(0)),
+        }
+        for dtype in (torch.int16, torch.uint16, torch.float8_e4m3fn):
+            x = (torch.arange(n * 2 * n * 1100).reshape(n, 2 * n, 1100) % 100).to(dtype)  # replica j's: x[j]
+            for name, (collective, expected) in (moves | sums if dtype == torch.int16 else moves).items():
+                key = f"{name} {str(dtype).removeprefix('torch.')} {counts}"
+                try:
+                    out = fdp.pmap(
+                        lambda v, c=collective: c(v[0])[None], axis_name="i", devices=["cpu"] * local
+                    )(x[first : first + local])
+                    outcomes[key] = all(
+                        torch.equal(out[r].view(torch.uint8), expected(x, first + r).view(torch.uint8))
+                        for r in range(local)
+                    )
+                except Exception as error:  # noqa: BLE001
+                    outcomes[key] = f"{type(error).__name__}: {error}"
+    # broadcast sends a buffer per dtype in one process-group call too
+    for dtype in (torch.int16, torch.uint16):
+        tree = {"b": torch.full((5000,), rank + 1).to(dtype)}
+        try:
+            outcomes[f"broadcast {str(dtype).removeprefix('torch.')}"] = torch.equal(
+                fdp.distributed.broadcast(tree)["b"], torch.ones(5000).to(dtype)
+            )
+        except Exception as error:  # noqa: BLE001
+            outcomes[f"broadcast {str(dtype).removeprefix('torch.')}"] = f"{type(error).__name__}: {error}"
+    return outcomes
 
 
 def empty_exchanges(rank: int, world: int, folder: str) -> None:
