@@ -1670,3 +1670,210 @@ def test_backward_collectives_refuse_a_shared_engine_thread(
     group = _replica.CallGroup(len(devices), [torch.device(d) for d in devices])
     context = _replica.ReplicaContext("i", 0, len(devices), group.devices[0], group)
     assert _collectives._shares_backward_thread(context, torch.device(grad_device)) is refused
+
+
+# --- programs built on the collectives, against the same computation on one device --------------
+
+
+def _grads(loss: torch.Tensor, tree: Any) -> Any:
+    """The gradient of ``loss`` with respect to every leaf of ``tree``, as a tree like it."""
+    leaves, spec = optree.tree_flatten(tree, namespace="fdp")
+    return optree.tree_unflatten(spec, torch.autograd.grad(loss, leaves))
+
+
+def _requiring_grad(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.clone().requires_grad_(), tree, namespace="fdp")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_contrastive_loss_over_uneven_shards_has_one_devices_value_and_gradients(n: int) -> None:
+    # CLIP/SimCLR: each replica embeds its rows, gathers both towers' embeddings (padded to one
+    # shape: the shards are uneven), scores its rows against the whole batch, with labels offset
+    # by the rows of the replicas before it, and sums its rows' loss over the batch's size.
+    torch.manual_seed(0)
+    params = {"image": torch.randn(5, 4, dtype=torch.float64), "text": torch.randn(3, 4, dtype=torch.float64)}
+    image, text = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def embed(params: Any, image: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normalize = torch.nn.functional.normalize
+        return normalize(image @ params["image"], dim=-1), normalize(text @ params["text"], dim=-1)
+
+    def one_device(params: Any, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        zi, zt = embed(params, image, text)
+        logits, labels = zi @ zt.T * 10, torch.arange(len(image))
+        return (cross_entropy(logits, labels) + cross_entropy(logits.T, labels)) / 2
+
+    def replica_loss(params: Any, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        zi, zt = embed(params, image, text)
+        rows = len(image)
+        sizes = fdp.all_gather(torch.tensor(rows), "i")
+        most, first = int(sizes.max()), int(sizes[: fdp.axis_index("i")].sum())
+        real = torch.cat([torch.arange(most) < size for size in sizes])
+        padded = [torch.nn.functional.pad(z, (0, 0, 0, most - rows)) for z in (zi, zt)]
+        every_zi = fdp.all_gather(padded[0], "i", tiled=True)[real]  # one all_gather twice ...
+        every_zt = fdp.all_gather(padded[1], "i", tiled=True)[real]
+        both = fdp.all_gather(padded, "i", tiled=True)  # ... or one of both
+        assert torch.equal(both[0][real], every_zi) and torch.equal(both[1][real], every_zt)
+        labels = torch.arange(rows) + first
+        total = cross_entropy(zi @ every_zt.T * 10, labels, reduction="sum")
+        total = total + cross_entropy(zt @ every_zi.T * 10, labels, reduction="sum")
+        return total / 2 / fdp.psum(rows, "i")
+
+    params_ = _requiring_grad(params)
+    image_, text_ = image.clone().requires_grad_(), text.clone().requires_grad_()
+    expected = one_device(params_, image_, text_)
+    expected_grads = _grads(expected, (params_, image_, text_))
+
+    # Through the whole call: the replicas' losses add up to one device's.
+    mapped = fdp.pmap(replica_loss, axis_name="i", in_axes=(None, 0, 0), devices=cpus(n), split="balanced")
+    params_ = _requiring_grad(params)
+    image_, text_ = image.clone().requires_grad_(), text.clone().requires_grad_()
+    loss = mapped(params_, image_, text_).sum()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(_grads(loss, (params_, image_, text_)), expected_grads)
+
+    # Inside the replicas: all_gather's transpose hands each replica the cotangents of every
+    # replica's loss for its rows, so the parameters' gradients are summed, the inputs' whole.
+    def inside(params: Any, image: torch.Tensor, text: torch.Tensor) -> Any:
+        grads, image_grad, text_grad = torch.func.grad(replica_loss, argnums=(0, 1, 2))(params, image, text)
+        return fdp.psum(grads, "i"), image_grad, text_grad
+
+    grads = fdp.pmap(
+        inside, axis_name="i", in_axes=(None, 0, 0), out_axes=(None, 0, 0), devices=cpus(n), split="balanced"
+    )(params, image, text)
+    torch.testing.assert_close(grads, expected_grads)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero_style_sharded_adam_steps_match_torch_optim(n: int) -> None:
+    # ZeRO: every replica reduces only its piece of the gradients (psum_scatter), keeps Adam's
+    # state for that piece alone, updates it, and gathers the others' pieces (all_gather). On
+    # leaves of different ranks, an uneven batch, several steps: torch.optim.Adam's parameters.
+    torch.manual_seed(0)
+    params = {
+        "w1": torch.randn(6, 3, dtype=torch.float64),
+        "b1": torch.randn(6, dtype=torch.float64),
+        "w2": torch.randn(6, 6, dtype=torch.float64),
+    }
+    batches = [
+        (torch.randn(7, 3, dtype=torch.float64), torch.randn(7, 6, dtype=torch.float64)) for _ in range(3)
+    ]
+
+    def model(params: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ params["w1"].T + params["b1"]) @ params["w2"].T
+
+    opt = fdp.optim.adam(0.01)
+
+    def step(state: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        def summed_loss(params: Any) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(model(params, x), y, reduction="sum")
+
+        grads = torch.func.grad(summed_loss)(state["params"])
+        total = fdp.psum(y.numel(), "i")  # the mean over the whole batch, on uneven shards
+        mine = fdp.psum_scatter({k: g / total for k, g in grads.items()}, "i", tiled=True)
+        i, size = fdp.axis_index("i"), fdp.axis_size("i")
+        pieces = {k: p.chunk(size)[i] for k, p in state["params"].items()}
+        pieces, opt_state = opt.apply_gradients(mine, state["opt"], pieces)
+        return {"params": fdp.all_gather(pieces, "i", tiled=True), "opt": opt_state}
+
+    # Each replica's Adam state covers its piece: zeros of a piece's shapes to start.
+    pieces = {k: p.chunk(n)[0] for k, p in params.items()}
+    state = fdp.device_put_replicated({"params": params, "opt": opt.init(pieces)}, cpus(n))
+    mapped = fdp.pmap(step, axis_name="i", out_axes=fdp.PER_REPLICA, devices=cpus(n), split="balanced")
+    for x, y in batches:
+        state = mapped(state, x, y)
+
+    expected = _requiring_grad(params)
+    torch_opt = torch.optim.Adam(expected.values(), lr=0.01)
+    for x, y in batches:
+        torch_opt.zero_grad()
+        torch.nn.functional.mse_loss(model(expected, x), y).backward()
+        torch_opt.step()
+    for r in range(n):
+        torch.testing.assert_close(fdp.unreplicate(state, r)["params"], expected)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_attention_with_ppermute_has_one_devices_values_and_gradients(n: int) -> None:
+    # Ring attention: each replica holds a block of the sequence; its keys and values go round
+    # the ring (one ppermute of both per step, n - 1 steps), and each replica accumulates its
+    # queries' causal attention block by block, with a running log-sum-exp.
+    torch.manual_seed(0)
+    d, block = 4, 2
+    weights = [torch.randn(d, d, dtype=torch.float64) for _ in range(3)]
+    x, cotangent = (
+        torch.randn(n * block, d, dtype=torch.float64),
+        torch.randn(n * block, d, dtype=torch.float64),
+    )
+
+    def one_device(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        scores = (x @ wq) @ (x @ wk).T / d**0.5
+        causal = torch.ones(len(x), len(x), dtype=torch.bool).triu(1)
+        return scores.masked_fill(causal, float("-inf")).softmax(-1) @ (x @ wv)
+
+    def ring(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        i, size = fdp.axis_index("i"), fdp.axis_size("i")
+        q, k, v = x @ wq, x @ wk, x @ wv
+        out, lse = torch.zeros_like(q), torch.full((block,), float("-inf"), dtype=x.dtype)
+        positions = i * block + torch.arange(block)
+        for step in range(size):
+            source = (i - step) % size  # whose keys and values this replica holds now
+            seen = source * block + torch.arange(block)[None, :] <= positions[:, None]
+            scores = (q @ k.T / d**0.5).masked_fill(~seen, float("-inf"))
+            # (Finite from the first step on, where each row sees its own position.)
+            new_lse = torch.logaddexp(lse, scores.logsumexp(-1))
+            out = out * (lse - new_lse).exp()[:, None] + (scores - new_lse[:, None]).exp() @ v
+            lse = new_lse
+            if step < size - 1:
+                k, v = fdp.ppermute((k, v), "i", [(j, (j + 1) % size) for j in range(size)])
+        return out
+
+    expected_inputs = [*_requiring_grad(weights), x.clone().requires_grad_()]
+    expected = one_device(*expected_inputs)
+    expected_grads = torch.autograd.grad((expected * cotangent).sum(), expected_inputs)
+
+    inputs = [*_requiring_grad(weights), x.clone().requires_grad_()]
+    out = fdp.pmap(ring, axis_name="i", in_axes=(None, None, None, 0), devices=cpus(n))(*inputs)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.autograd.grad((out * cotangent).sum(), inputs), expected_grads)
+
+    # Inside the replicas: each ppermute's transpose sends the cotangents back round the ring.
+    def inside(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> Any:
+        grads = torch.func.grad(lambda *a: (ring(*a) * c).sum(), argnums=(0, 1, 2, 3))(wq, wk, wv, x)
+        return fdp.psum(grads[:3], "i"), grads[3]
+
+    weight_grads, x_grad = fdp.pmap(
+        inside, axis_name="i", in_axes=(None, None, None, 0, 0), out_axes=(None, 0), devices=cpus(n)
+    )(*weights, x, cotangent)
+    torch.testing.assert_close((*weight_grads, x_grad), expected_grads)
+
+
+def test_mixture_of_experts_gradients_match_one_device() -> None:
+    # The layer of docs/collectives.md, differentiated: through the whole call, and inside the
+    # replicas, where all_to_all's transpose returns each token's cotangent to the replica that
+    # sent it and each expert's to the replica that holds it.
+    torch.manual_seed(0)
+    weights, tokens = torch.randn(4, 5, 5, dtype=torch.float64), torch.randn(4, 4, 3, 5, dtype=torch.float64)
+    cotangent = torch.randn(4, 4, 3, 5, dtype=torch.float64)
+
+    def layer(expert_w: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        arrived = fdp.all_to_all(tokens[0], "experts", 0, 0)
+        processed = torch.tanh(arrived @ expert_w[0])
+        return fdp.all_to_all(processed, "experts", -3, -3)[None]  # (the same dims, from the end)
+
+    inputs = _requiring_grad((weights, tokens))
+    expected = torch.tanh(torch.einsum("ijcd,jde->ijce", inputs[1], inputs[0]))
+    expected_grads = torch.autograd.grad((expected * cotangent).sum(), inputs)
+
+    mapped = fdp.pmap(layer, axis_name="experts", devices=cpus(4))
+    inputs = _requiring_grad((weights, tokens))
+    out = mapped(*inputs)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.autograd.grad((out * cotangent).sum(), inputs), expected_grads)
+
+    def inside(expert_w: torch.Tensor, tokens: torch.Tensor, c: torch.Tensor) -> Any:
+        return torch.func.grad(lambda w, t: (layer(w, t) * c).sum(), argnums=(0, 1))(expert_w, tokens)
+
+    grads = fdp.pmap(inside, axis_name="experts", devices=cpus(4))(weights, tokens, cotangent)
+    torch.testing.assert_close(grads, expected_grads)
