@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -688,9 +689,97 @@ def unequal_replica_counts(rank: int, world: int, folder: str) -> None:
                 )(x)
             )(x).tolist()
         result["dtypes_gloo_lacks"] = dtypes_gloo_lacks(rank)
+        result["programs"] = programs_against_one_device(rank, devices)
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()
+
+
+def programs_against_one_device(rank: int, devices: list[str]) -> dict:
+    """Two programs of tests/test_collectives.py over 2 + 1 replicas, 7 rows (3 + 2 on rank 0,
+    2 on rank 1): a contrastive loss (all_gather of padded embeddings, labels offset by
+    axis_index) and ZeRO-style Adam steps (psum_scatter, PerReplica state, all_gather). For
+    each, the largest difference from one device's computation."""
+    torch.manual_seed(0)
+    double = {"dtype": torch.float64}
+    mine = [slice(0, 5), slice(5, 7)][rank]
+    f = lambda g, **options: fdp.pmap(g, axis_name="i", devices=devices, split="balanced", **options)  # noqa: E731
+    differences: dict = {}
+
+    def largest(actual: object, expected: object) -> float:
+        return max(
+            float((a - e).abs().max())
+            for a, e in zip(optree.tree_leaves(actual), optree.tree_leaves(expected))
+        )
+
+    # The contrastive loss: its value, and the inputs' gradients through the call and inside.
+    params = {"image": torch.randn(5, 4, **double), "text": torch.randn(3, 4, **double)}
+    image, text = torch.randn(7, 5, **double), torch.randn(7, 3, **double)
+
+    def embed(params: dict, image: torch.Tensor, text: torch.Tensor) -> list[torch.Tensor]:
+        return [F.normalize(image @ params["image"], dim=-1), F.normalize(text @ params["text"], dim=-1)]
+
+    def replica_loss(params: dict, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        zi, zt = embed(params, image, text)
+        sizes = fdp.all_gather(torch.tensor(len(image)), "i")
+        most, first = int(sizes.max()), int(sizes[: fdp.axis_index("i")].sum())
+        real = torch.cat([torch.arange(most) < size for size in sizes])
+        every_zi, every_zt = (
+            z[real]
+            for z in fdp.all_gather([F.pad(z, (0, 0, 0, most - len(z))) for z in (zi, zt)], "i", tiled=True)
+        )
+        labels = torch.arange(len(image)) + first
+        total = F.cross_entropy(zi @ every_zt.T * 10, labels, reduction="sum")
+        total = total + F.cross_entropy(zt @ every_zi.T * 10, labels, reduction="sum")
+        return total / 2 / fdp.psum(len(image), "i")
+
+    whole = [t.clone().requires_grad_() for t in (image, text)]
+    zi, zt = embed(params, *whole)
+    logits, labels = zi @ zt.T * 10, torch.arange(7)
+    expected = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    expected_grads = [g[mine] for g in torch.autograd.grad(expected, whole)]
+    shard = [t[mine].clone().requires_grad_() for t in (image, text)]
+    loss = f(lambda p, i, t: fdp.psum(replica_loss(p, i, t), "i"), in_axes=(None, 0, 0), out_axes=None)(
+        params, *shard
+    )
+    differences["contrastive_loss"] = float((loss - expected).abs())
+    loss.backward()  # every rank's output is the whole loss: each rank's inputs get twice theirs
+    differences["contrastive_outer"] = largest([t.grad / 2 for t in shard], expected_grads)
+    inside = lambda p, i, t: torch.func.grad(replica_loss, argnums=(1, 2))(p, i, t)  # noqa: E731
+    differences["contrastive_inside"] = largest(
+        f(inside, in_axes=(None, 0, 0))(params, image[mine], text[mine]), expected_grads
+    )
+
+    # ZeRO-style Adam: 3 steps, each replica keeping Adam's state for its third of each leaf.
+    params = {"w": torch.randn(6, 3, **double), "b": torch.randn(6, **double)}
+    batches = [(torch.randn(7, 3, **double), torch.randn(7, 6, **double)) for _ in range(3)]
+    opt = optim.adam(0.01)
+
+    def step(state: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
+        summed = lambda p: F.mse_loss(torch.tanh(x @ p["w"].T + p["b"]), y, reduction="sum")  # noqa: E731
+        grads = torch.func.grad(summed)(state["params"])
+        total = fdp.psum(y.numel(), "i")
+        piece_grads = fdp.psum_scatter({k: g / total for k, g in grads.items()}, "i", tiled=True)
+        i = fdp.axis_index("i")
+        pieces = {k: p.chunk(3)[i] for k, p in state["params"].items()}
+        pieces, opt_state = opt.apply_gradients(piece_grads, state["opt"], pieces)
+        return {"params": fdp.all_gather(pieces, "i", tiled=True), "opt": opt_state}
+
+    state = fdp.device_put_replicated(
+        {"params": params, "opt": opt.init({k: p.chunk(3)[0] for k, p in params.items()})}, devices
+    )
+    for x, y in batches:
+        state = f(step, out_axes=fdp.PER_REPLICA)(state, x[mine], y[mine])
+    expected = {k: p.clone().requires_grad_() for k, p in params.items()}
+    torch_opt = torch.optim.Adam(expected.values(), lr=0.01)
+    for x, y in batches:
+        torch_opt.zero_grad()
+        F.mse_loss(torch.tanh(x @ expected["w"].T + expected["b"]), y).backward()
+        torch_opt.step()
+    differences["zero_adam"] = max(
+        largest(fdp.unreplicate(state, r)["params"], expected) for r in range(len(devices))
+    )
+    return differences
 
 
 def dtypes_gloo_lacks(rank: int) -> dict:
