@@ -30,6 +30,7 @@ Differentiation, two ways:
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import operator
@@ -230,6 +231,18 @@ class _Packed:
                 f"{caller} reduces dense numbers, but {self._path(k)} is a quantized tensor "
                 f"({_tree.describe(self.leaves[k])}): dequantize it first (.dequantize())"
             )
+        if numbers != "as_is":
+            for (device, dtype), members in groups.items():
+                if dtype not in _QUANTIZED and not _combinable(device, dtype, numbers):
+                    # Refused on one replica too, where the value is kept as it is: a program
+                    # that runs on one device must run on several.
+                    how = "maximum or minimum" if numbers == "ordered" else "sum"
+                    cast = "float()" if dtype.is_floating_point else "to(torch.int64)"
+                    raise TypeError(
+                        f"{caller} reduces {self._path(members[0])}, of type "
+                        f"{_tree.describe(self.leaves[members[0]])}, but torch has no {how} of "
+                        f"{dtype} tensors on {device.type}: cast it first (.{cast})"
+                    )
         # Quantized leaves: a buffer each, and their scales compared between replicas where the
         # op joins their values (see _check_same_layout). Joined (torch.cat, torch.stack),
         # quantized tensors all take the first one's scale and zero point: a leaf of scale 10
@@ -354,6 +367,20 @@ class _Packed:
                 piece = buffers[b].narrow(-1, offset, numel)
                 out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
         return _tree.unflatten(self.treespec, out)
+
+
+@functools.cache
+def _combinable(device: torch.device, dtype: torch.dtype, numbers: str) -> bool:
+    """Whether torch has the kernel that combines the replicas' ``dtype`` tensors on ``device``
+    (a reduction's ``numbers``: see :class:`_Packed`), tried once. (torch 2.13 adds no unsigned
+    integers past uint8 and no float8 on the CPU, and orders neither; its error, raised in the
+    combine on several replicas only, names neither the collective nor the leaf.)"""
+    probe = torch.zeros(2, dtype=dtype, device=device)
+    try:
+        torch.stack([probe, probe]).amax(0) if numbers == "ordered" else probe.add(probe)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 # The quantized dtypes, which no reduction takes (see _Packed).

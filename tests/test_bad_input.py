@@ -696,6 +696,23 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"first \(.dequantize\(\)\)",
     ),
     (
+        # (torch 2.13 adds no uint32 on the CPU; refused on one replica too, where nothing is added)
+        "a dtype that torch cannot add or order in a reduction",
+        lambda: (torch.zeros(2), {"count": torch.ones(3, dtype=torch.uint32)}),
+        lambda a: pm(lambda x, c: fdp.psum(c, "i"), axis_name="i", in_axes=(0, None), devices=cpus(1))(*a),
+        TypeError,
+        r"^fdp.psum reduces x\['count'\], of type uint32\[3\], but torch has no sum of torch.uint32 "
+        r"tensors on cpu: cast it first \(.to\(torch.int64\)\)\n",
+    ),
+    (
+        "a dtype that torch cannot add or order in a reduction",
+        lambda: (torch.zeros(2), torch.ones(3).to(torch.float8_e4m3fn)),
+        lambda a: pm(lambda x, q: fdp.pmin(q, "i"), axis_name="i", in_axes=(0, None))(*a),
+        TypeError,
+        r"^fdp.pmin reduces x, of type float8_e4m3fn\[3\], but torch has no maximum or minimum of "
+        r"torch.float8_e4m3fn tensors on cpu: cast it first \(.float\(\)\)\n",
+    ),
+    (
         "a pmapped module called without a dict of params first (`pmapped(model, x)`)",
         lambda: (torch.zeros(4, 2),),
         lambda a: (lambda m: pm(m)(m, *a))(nn.Linear(2, 2)),
