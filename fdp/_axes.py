@@ -13,7 +13,7 @@ import optree
 
 from . import _state, _tree
 
-__all__ = ["BROADCAST", "check_spec", "leaf_axes", "normalize_axis", "all_zero"]
+__all__ = ["BROADCAST", "check_spec", "leaf_axes", "in_tree_order", "shorten", "normalize_axis", "all_zero"]
 
 
 class _Broadcast:
@@ -79,11 +79,11 @@ def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str, caller: str) -
         pass
     else:
         if _tree.has_keyed_containers(spec):
-            return _in_tree_order(spec, tree)
+            return in_tree_order(spec, tree)
         return axes
     # Slow path, for the message only: optree says where the structures part ways.
     details = [
-        _shorten(err(what).args[0]) for err in optree.prefix_errors(spec, tree, namespace=_tree.NAMESPACE)
+        shorten(err(what).args[0]) for err in optree.prefix_errors(spec, tree, namespace=_tree.NAMESPACE)
     ]
     _, structure = _tree.flatten(tree)
     raise ValueError(
@@ -92,8 +92,9 @@ def leaf_axes(spec: Any, tree: Any, *, what: str, tree_name: str, caller: str) -
     ) from None
 
 
-def _in_tree_order(spec: Any, tree: Any) -> list[Any]:
-    """The axes of ``tree``'s leaves, matched to the prefix ``spec`` by key path.
+def in_tree_order(spec: Any, tree: Any) -> list[Any]:
+    """The leaf of the prefix ``spec`` above each leaf of ``tree`` (its axis, or in
+    ``fdp.optim.multi_transform`` its label), matched by key path, in ``tree``'s order.
 
     ``optree.broadcast_prefix`` lists them in the prefix's order at dict-like nodes, which is
     not the tree's flattening order where an ``OrderedDict``'s keys are not sorted, or where an
@@ -110,7 +111,7 @@ def _in_tree_order(spec: Any, tree: Any) -> list[Any]:
     return result
 
 
-def _shorten(message: str, limit: int = 300) -> str:
+def shorten(message: str, limit: int = 300) -> str:
     return "\n".join(line if len(line) <= limit else line[:limit] + " ..." for line in message.splitlines())
 
 

@@ -29,14 +29,14 @@ as much as its forward pass on a small batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, Protocol
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Generic, NamedTuple, NoReturn, Protocol
 
 import optree
 import torch
 from typing_extensions import TypeVar
 
-from . import _tree
+from . import _axes, _tree
 from ._compile import eager_under_compile
 from ._state import PerReplica
 
@@ -47,11 +47,13 @@ __all__ = [
     "EmptyState",
     "SgdState",
     "AdamState",
+    "MultiTransformState",
     "sgd",
     "adam",
     "adamw",
     "clip_by_global_norm",
     "chain",
+    "multi_transform",
     "apply_updates",
 ]
 
@@ -282,11 +284,28 @@ class AdamState(NamedTuple):
     exp_avg_sq: Tree
 
 
+class MultiTransformState(NamedTuple):
+    """The state of :func:`multi_transform` (optax's ``MultiTransformState``): each label's
+    transformation's state, in a dict by label. Each was made by its transformation's ``init``
+    for the parameters of its label, the others' places in the tree holding ``None``.
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> labels = {"w": "a", "v": "b"}
+        >>> opt = optim.multi_transform({"a": optim.sgd(0.1, momentum=0.9), "b": optim.adam()}, labels)
+        >>> opt.init({"w": torch.ones(2), "v": torch.ones(1)}).inner_states["a"]
+        SgdState(step=0, momentum={'w': tensor([0., 0.]), 'v': None})
+    """
+
+    inner_states: dict[Any, Any]
+
+
 # Checkpoints hold these states, and torch.load(weights_only=True), torch's default since 2.6,
 # rebuilds only the types it was told are safe: without this, every fdp.optim state (a named
 # tuple of ints and trees of tensors, which constructing runs no code of ours) fails to load
 # with an UnpicklingError. torch.optim's state_dict loads; so must ours.
-torch.serialization.add_safe_globals([EmptyState, SgdState, AdamState])
+torch.serialization.add_safe_globals([EmptyState, SgdState, AdamState, MultiTransformState])
 
 
 Leaves = Any  # a list or tuple of tensors, as torch._foreach_* take and return them
@@ -938,6 +957,302 @@ def chain(*transforms: GradientTransformation[Any]) -> GradientTransformation[tu
 
         _attach(update, apply)
     return GradientTransformation(init, update)
+
+
+def multi_transform(
+    transforms: Mapping[Hashable, GradientTransformation[Any]],
+    param_labels: Tree | Callable[[Tree], Tree],
+) -> GradientTransformation[MultiTransformState]:
+    """Parameter groups: each parameter is stepped by the transformation of its label (optax's
+    ``multi_transform``; the param groups of ``torch.optim``).
+
+    ``torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay,
+    "weight_decay": 0.0}], lr=1e-3)`` is ``multi_transform({"decay": adamw(1e-3,
+    weight_decay=0.1), "no_decay": adamw(1e-3, weight_decay=0.0)}, labels)``: its
+    ``apply_gradients`` gives torch's parameters bit for bit (``update`` and
+    :func:`apply_updates` to rounding, as each optimizer's). Each label's transformation gets
+    the tree of the gradients (and parameters) with ``None`` in the places of the other labels'
+    leaves (optax's masked trees), so its state is a tree like the parameters too, and its
+    errors name leaves by their key paths in the whole tree. Where every label's transformation
+    steps in one pass (fdp's optimizers, a :func:`chain` ending in one),
+    :meth:`GradientTransformation.apply_gradients` does too, label by label; any other label's
+    parameters get ``update`` and :func:`apply_updates`. Each transformation keeps its own step
+    count (and schedule), and is stepped at every step, a label that labels no parameter
+    included, as ``torch.optim`` steps every group.
+
+    Args:
+        transforms: the transformation of each label, e.g. ``{"decay": adamw(...),
+            "no_decay": adam(...)}``. A label that labels no parameter is allowed (its
+            transformation steps an empty tree).
+        param_labels: the label of each parameter: a tree like the parameters with a label at
+            each leaf, or a prefix of it (one label for a whole subtree: ``{"backbone":
+            "frozen", "head": "train"}``); or a function of the parameters that returns such a
+            tree, called with the parameters by ``init`` and at every step (with the gradients
+            where ``update`` gets no parameters). Every label must be a key of ``transforms``.
+
+    Returns:
+        The transformation, whose state is a :class:`MultiTransformState`.
+
+    Raises:
+        TypeError: ``transforms`` is not a mapping of transformations.
+        ValueError: ``transforms`` is empty; a label has no transformation, or the labels are
+            not a tree like the parameters nor a prefix of it (raised when the labels are given,
+            or for a function, when it returns them).
+
+    Examples:
+        >>> import torch
+        >>> from fdp import optim
+        >>> params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+        >>> def labels(params):  # no weight decay on biases (and norms): the 1-dim parameters
+        ...     return {k: "decay" if v.dim() > 1 else "no_decay" for k, v in params.items()}
+        >>> opt = optim.multi_transform(
+        ...     {"decay": optim.adamw(0.1, weight_decay=0.5), "no_decay": optim.adamw(0.1, weight_decay=0.0)},
+        ...     labels,
+        ... )
+        >>> grads = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+        >>> params, state = opt.apply_gradients(grads, opt.init(params), params)
+        >>> params  # decay only, and only for w: 1 - 0.1 * 0.5
+        {'w': tensor([[0.9500, 0.9500],
+                [0.9500, 0.9500]]), 'b': tensor([1., 1.])}
+    """
+    where = "fdp.optim.multi_transform"
+    if not isinstance(transforms, Mapping):
+        raise TypeError(
+            f"{where}: transforms must be a mapping from labels to GradientTransformations "
+            f"(e.g. {{'decay': fdp.optim.adamw(1e-3)}}), got {type(transforms).__name__}: "
+            f"{_tree.short_repr(transforms)}"
+        )
+    if not transforms:
+        raise ValueError(f"{where}: transforms is empty: give the transformation of each label")
+    for label, transform in transforms.items():
+        if not (callable(getattr(transform, "init", None)) and callable(getattr(transform, "update", None))):
+            raise TypeError(
+                f"{where}: transforms[{label!r}] must be a GradientTransformation (an init, update "
+                f"pair such as fdp.optim.adam(1e-3)), got {type(transform).__name__}: "
+                f"{_tree.short_repr(transform)}"
+            )
+    # A copy: the transformations (and the labels the state is checked against) are those given
+    # now, whatever happens to the caller's mapping later.
+    transforms = dict(transforms)
+    labelled = callable(param_labels)
+    if not labelled:
+        # Refused now, not at the first step: the labels are known.
+        _refuse_unknown_labels(where, transforms, param_labels, "param_labels")
+
+    # Each label's leaf positions, and the structure of its masked tree, by the params'
+    # structure (and, for a function, the labels it returned): matching labels to leaves by key
+    # path costs as much as a small model's whole step, and the answer repeats every step.
+    known: _tree.SpecCache[
+        tuple[optree.PyTreeSpec, list[Any], dict[Hashable, tuple[list[int], optree.PyTreeSpec]]]
+    ]
+    known = _tree.SpecCache()
+    fixed = None if labelled else _tree.flatten(param_labels)
+
+    def groups(
+        tree: Tree, leaves: Leaves, spec: optree.PyTreeSpec, root: str, call: str
+    ) -> dict[Hashable, tuple[list[int], optree.PyTreeSpec]]:
+        """The positions of the leaves of ``tree`` (the params, or the grads without them,
+        written ``root``; of leaves ``leaves`` and structure ``spec``) by label, each with the
+        structure of its masked tree."""
+        labels = param_labels(tree) if labelled else param_labels
+        label_leaves, labels_spec = _tree.flatten(labels) if fixed is None else fixed
+        cached = known.get(spec)
+        if (
+            cached is not None
+            and _tree.same_structure(cached[0], labels_spec)
+            and _equal(cached[1], label_leaves)
+        ):
+            return cached[2]
+        name = f"param_labels({root})" if labelled else "param_labels"
+        positions: dict[Hashable, list[int]] = {label: [] for label in transforms}
+        try:
+            for i, label in enumerate(_leaf_labels(where, call, labels, name, tree, root)):
+                positions[label].append(i)
+        except (KeyError, TypeError):  # a label without a transformation, or unhashable
+            _refuse_unknown_labels(f"{where}: {call}", transforms, labels, name)
+            raise
+        by_label = {
+            label: (mine, _leaves(masked(leaves, spec, mine))[1]) for label, mine in positions.items()
+        }
+        known[spec] = (labels_spec, label_leaves, by_label)
+        return by_label
+
+    def parts(grads: Tree, state: Any, params: Tree | None, call: str) -> tuple[Any, Any]:
+        """:func:`groups`, and each label's masked grads and params (None without params), once
+        grads, params and state agree. The masked trees are all made here, before any
+        transformation runs: compiled, a structure that lived across a transformation's graph
+        breaks was rebuilt wrongly by dynamo (its unflatten failed with "length mismatch")."""
+        if not isinstance(state, MultiTransformState):
+            raise ValueError(
+                f"{where}: {call} got a state of type {type(state).__qualname__}, expected "
+                f"MultiTransformState: the state must come from this transformation's init(params) or "
+                f"its last step, passed as {call}(grads, state, params)"
+            )
+        inner = state.inner_states
+        if not isinstance(inner, dict) or inner.keys() != transforms.keys():
+            got = (
+                f"a state for the labels {_tree.short_repr(list(inner))}"
+                if isinstance(inner, dict)
+                else f"inner_states of type {type(inner).__qualname__}"
+            )
+            raise ValueError(
+                f"{where}: {call} got {got}, expected one for the labels "
+                f"{_tree.short_repr(list(transforms))}: the state must come from this transformation's "
+                "init(params)"
+            )
+        labelled_tree, root = (grads, "grads") if params is None else (params, "params")
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # the checks and the labels outside the graph, before any tree is flattened
+            if params is not None:
+                _verify_like_params_eagerly(f"{where}: {call}", grads, params)
+            by_label = _groups_eagerly(groups, labelled_tree, root, call)
+        g, spec = _leaves(grads)
+        p, params_spec = (g, spec) if params is None else _leaves(params)
+        if not compiling:
+            if not _tree.same_structure(spec, params_spec):
+                _refuse_grads_unlike_params(f"{where}: {call}", grads, params, spec, params_spec)
+            by_label = groups(labelled_tree, p, params_spec, root, call)
+        masked_trees = {
+            label: (masked(g, spec, positions), None if params is None else masked(p, params_spec, positions))
+            for label, (positions, _) in by_label.items()
+        }
+        return by_label, masked_trees
+
+    def masked(leaves: Leaves, spec: optree.PyTreeSpec, positions: list[int]) -> Tree:
+        """The tree of ``leaves`` with None at every position but ``positions``."""
+        kept: list[Any] = [None] * len(leaves)
+        for i in positions:
+            kept[i] = leaves[i]
+        return _tree.unflatten(spec, kept)
+
+    def merged(tree: Tree, by_label: Any, results: dict[Hashable, Tree], call: str) -> Tree:
+        """The labels' ``results``, trees like their masked trees of ``tree``, as one tree like
+        ``tree`` (flattened again here: see :func:`parts`)."""
+        leaves, spec = _leaves(tree)
+        out: list[Any] = [None] * len(leaves)
+        for label, result in results.items():
+            positions, given = by_label[label]
+            got, structure = _leaves(result)
+            if given is not None and not _tree.same_structure(structure, given):
+                # A transformation of the user's that returns another tree: its leaves, placed
+                # by position, would land on other parameters.
+                raise ValueError(
+                    f"{where}: {call}: transforms[{label!r}] returned {structure} for the masked tree "
+                    f"{given}; a transformation must return a tree like the one it is given"
+                )
+            for i, leaf in zip(positions, got):
+                out[i] = leaf
+        return _tree.unflatten(spec, out)
+
+    def init(params: Tree) -> MultiTransformState:
+        p, spec = _leaves(params)
+        by_label = groups(params, p, spec, "params", "init")
+        return MultiTransformState(
+            {label: transforms[label].init(masked(p, spec, by_label[label][0])) for label in transforms}
+        )
+
+    def update(
+        grads: Tree, state: MultiTransformState, params: Tree | None = None
+    ) -> tuple[Tree, MultiTransformState]:
+        by_label, masked_trees = parts(grads, state, params, "update")
+        results, new_states = {}, {}
+        for label, transform in transforms.items():
+            mine, params_mine = masked_trees[label]
+            results[label], new_states[label] = transform.update(mine, state.inner_states[label], params_mine)
+        return merged(grads, by_label, results, "update"), MultiTransformState(new_states)
+
+    def apply(grads: Tree, state: MultiTransformState, params: Tree) -> tuple[Tree, MultiTransformState]:
+        by_label, masked_trees = parts(grads, state, params, "apply_gradients")
+        results, new_states = {}, {}
+        for label, transform in transforms.items():
+            mine, params_mine = masked_trees[label]
+            fused = _fused(transform.update)
+            if fused is not None:  # fdp's optimizers, and chains ending in one: one pass
+                results[label], new_states[label] = fused(mine, state.inner_states[label], params_mine)
+            else:
+                updates, new_states[label] = transform.update(mine, state.inner_states[label], params_mine)
+                results[label] = apply_updates(params_mine, updates)
+        # The params' structure, as apply_updates gives: dicts compare equal in any key order.
+        return merged(params, by_label, results, "apply_gradients"), MultiTransformState(new_states)
+
+    _attach(update, apply)
+    return GradientTransformation(init, update)
+
+
+def _leaf_labels(where: str, call: str, labels: Tree, name: str, tree: Tree, root: str) -> list[Any]:
+    """The label of each leaf of ``tree`` (written ``root``), in its flattening order, from
+    ``labels`` (written ``name``), a tree like it or a prefix of it."""
+    _tree.flatten(labels)  # registers dataclasses among the labels, as flattening the tree did its own
+    try:
+        leaf_labels: list[Any] = optree.broadcast_prefix(labels, tree, namespace=_tree.NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        if _tree.has_keyed_containers(labels):  # broadcast_prefix lists them in the labels' order
+            return _axes.in_tree_order(labels, tree)
+        return leaf_labels
+    # Where the structures part ways, by key path, as optree says it (the first place only:
+    # the others follow from it more often than not).
+    (detail, *_) = optree.prefix_errors(labels, tree, namespace=_tree.NAMESPACE)
+    message = detail(name).args[0]
+    raise ValueError(
+        f"{where}: {call} got {name} unlike {root}: the labels must be a tree of {root}' structure "
+        f"with a label at each leaf, or a prefix of it (one label for a whole subtree).\n"
+        f"{_axes.shorten(message)}"
+    ) from None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` for two lists of labels, False where a label's ``==`` has no truth value."""
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _refuse_unknown_labels(where: str, transforms: dict[Hashable, Any], labels: Tree, name: str) -> None:
+    """Raises for the first leaf of ``labels`` (written ``name``) that is not a label of
+    ``transforms``, if any. Key paths are written only on the way to the error."""
+    leaves, _ = _tree.flatten(labels)
+    for i, label in enumerate(leaves):
+        try:
+            known = label in transforms
+        except TypeError:  # unhashable
+            known = False
+        if not known:
+            path = _tree.flatten_with_paths(labels, name)[0][i]
+            raise ValueError(
+                f"{where} got {path} = {_tree.short_repr(label)}, a label with no transformation: "
+                f"transforms has the labels {_tree.short_repr(list(transforms))}"
+            )
+
+
+def _refuse_grads_unlike_params(
+    where: str, grads: Tree, params: Tree, spec: optree.PyTreeSpec, params_spec: optree.PyTreeSpec
+) -> NoReturn:
+    _refuse_none_gradients(where, grads, params)
+    raise ValueError(f"{where} got params {params_spec} but grads {spec}")
+
+
+@eager_under_compile
+def _groups_eagerly(
+    groups: Callable[..., dict[Hashable, Any]], tree: Tree, root: str, call: str
+) -> dict[Hashable, Any]:
+    """``multi_transform``'s groups of ``tree``'s leaves outside the graph, without the
+    structures of the masked trees (which would live on in the graph: see its ``parts``)."""
+    leaves, spec = _leaves(tree)
+    return {
+        label: (positions, None) for label, (positions, _) in groups(tree, leaves, spec, root, call).items()
+    }
+
+
+@eager_under_compile
+def _verify_like_params_eagerly(where: str, grads: Tree, params: Tree) -> None:
+    """The grads' structure checked against the params' outside the graph (see
+    :func:`_verify_eagerly`)."""
+    spec, params_spec = _leaves(grads)[1], _leaves(params)[1]
+    if not _tree.same_structure(spec, params_spec):
+        _refuse_grads_unlike_params(where, grads, params, spec, params_spec)
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ from ._optim import (
     AdamState,
     EmptyState,
     GradientTransformation,
+    MultiTransformState,
     Schedule,
     SgdState,
     TransformUpdateFn,
@@ -22,6 +23,7 @@ from ._optim import (
     apply_updates,
     chain,
     clip_by_global_norm,
+    multi_transform,
     sgd,
 )
 
@@ -29,6 +31,7 @@ __all__ = [
     "AdamState",
     "EmptyState",
     "GradientTransformation",
+    "MultiTransformState",
     "Schedule",
     "SgdState",
     "TransformUpdateFn",
@@ -37,5 +40,6 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "multi_transform",
     "sgd",
 ]

@@ -828,6 +828,33 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"norm is taken of dense gradients only",
     ),
     (
+        # A typo in a label: the parameters labelled with it would be stepped by nothing.
+        "a parameter label with no transformation in `fdp.optim.multi_transform`, or labels unlike the "
+        "parameters",
+        lambda: {"w": torch.ones(2, 2), "b": torch.ones(2)},
+        lambda params: fdp.optim.multi_transform(
+            {"decay": fdp.optim.adamw(), "no_decay": fdp.optim.adam()},
+            lambda p: {k: "decay" if v.dim() > 1 else "nodecay" for k, v in p.items()},
+        ).init(params),
+        ValueError,
+        r"^fdp.optim.multi_transform: init got param_labels\(params\)\['b'\] = 'nodecay', a label with no "
+        r"transformation: transforms has the labels \['decay', 'no_decay'\]$",
+    ),
+    (
+        "a parameter label with no transformation in `fdp.optim.multi_transform`, or labels unlike the "
+        "parameters",
+        lambda: {"encoder": {"w": torch.ones(2), "b": torch.ones(2)}, "head": torch.ones(2)},
+        lambda params: fdp.optim.multi_transform(
+            {"frozen": fdp.optim.sgd(0.0), "train": fdp.optim.adam()},
+            {"encoder": {"w": "frozen"}, "head": "train"},
+        ).init(params),
+        ValueError,
+        r"^fdp.optim.multi_transform: init got param_labels unlike params: the labels must be a tree of "
+        r"params' structure with a label at each leaf, or a prefix of it \(one label for a whole "
+        r"subtree\)\.\n"
+        r"pytree structure error: different pytree keys at key path\n    param_labels\['encoder'\]\n",
+    ),
+    (
         # Was refused by the pmap beneath, as "fdp.pmap(_forward_replica): axis_name ...".
         "DataParallel with an axis_name that is not hashable",
         lambda: (),

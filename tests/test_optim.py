@@ -103,6 +103,122 @@ CONFIGS["adamw_scheduled"] = (
 )
 
 
+def by_dim(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The labels of a transformer script's two param groups: weight decay for the matrices,
+    none for the biases and norms (the parameters of fewer dims)."""
+    return {k: "decay" if v.dim() > 1 else "no_decay" for k, v in params.items()}
+
+
+def groups(
+    params: list[torch.Tensor], decay: dict[str, Any], no_decay: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """torch.optim's param groups of by_dim's labels, with each group's options."""
+    return [
+        {"params": [p for p in params if p.dim() > 1], **decay},
+        {"params": [p for p in params if p.dim() <= 1], **no_decay},
+    ]
+
+
+class Both:
+    """Two torch.optim optimizers over two groups of parameters, as one 'optimizer'."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+
+# Parameter groups: torch.optim's param groups, against multi_transform with a transformation
+# per label (different weight decay, learning rates, schedules, optimizers).
+CONFIGS["adamw_groups"] = (
+    lambda p: torch.optim.AdamW(groups(p, {"weight_decay": 0.1}, {"weight_decay": 0.0}), lr=1e-2),
+    lambda: optim.multi_transform(
+        {"decay": optim.adamw(1e-2, weight_decay=0.1), "no_decay": optim.adamw(1e-2, weight_decay=0.0)},
+        by_dim,
+    ),
+)
+CONFIGS["sgd_groups_of_other_lrs"] = (
+    lambda p: torch.optim.SGD(
+        groups(p, {"lr": 0.05}, {"lr": 0.01, "momentum": 0.5}), lr=0.1, momentum=0.9, weight_decay=1e-2
+    ),
+    lambda: optim.multi_transform(
+        {
+            "decay": optim.sgd(0.05, momentum=0.9, weight_decay=1e-2),
+            "no_decay": optim.sgd(0.01, momentum=0.5, weight_decay=1e-2),
+        },
+        by_dim,
+    ),
+)
+# LambdaLR with a factor per group: a schedule for one label, a constant rate for the other.
+CONFIGS["adam_groups_one_scheduled"] = (
+    lambda p: Scheduled(  # type: ignore[dict-item]
+        torch.optim.Adam(groups(p, {}, {"lr": 3e-3}), lr=1e-2, weight_decay=1e-3),
+        [warmup_cosine, lambda k: 1.0],  # type: ignore[arg-type]
+    ),
+    lambda: optim.multi_transform(
+        {
+            "decay": optim.adam(lambda k: 1e-2 * warmup_cosine(k), weight_decay=1e-3),
+            "no_decay": optim.adam(3e-3, weight_decay=1e-3),
+        },
+        by_dim,
+    ),
+)
+CONFIGS["adamw_and_sgd_groups"] = (
+    lambda p: Both(  # type: ignore[dict-item]
+        torch.optim.AdamW([t for t in p if t.dim() > 1], lr=1e-2, weight_decay=0.1),
+        torch.optim.SGD([t for t in p if t.dim() <= 1], lr=0.05, momentum=0.9),
+    ),
+    lambda: optim.multi_transform(
+        {"decay": optim.adamw(1e-2, weight_decay=0.1), "no_decay": optim.sgd(0.05, momentum=0.9)}, by_dim
+    ),
+)
+CONFIGS["clip_then_adamw_groups"] = (
+    lambda p: Clipped(  # type: ignore[dict-item]
+        torch.optim.AdamW(groups(p, {"weight_decay": 0.1}, {"weight_decay": 0.0}), lr=1e-2), p, 0.5
+    ),
+    lambda: optim.chain(
+        optim.clip_by_global_norm(0.5),
+        optim.multi_transform(
+            {"decay": optim.adamw(1e-2, weight_decay=0.1), "no_decay": optim.adamw(1e-2, weight_decay=0.0)},
+            by_dim,
+        ),
+    ),
+)
+
+
+def state_of(state: Any, key: str) -> Any:
+    """The state of the optimizer that steps params[key]: ``state`` itself, a chain's last, or
+    under multi_transform that of key's label (whose trees hold a tensor at key); None if none."""
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return state_of(state[-1], key)
+    if isinstance(state, optim.MultiTransformState):
+        for inner in state.inner_states.values():
+            mine = state_of(inner, key)
+            if any(isinstance(tree, dict) and tree.get(key) is not None for tree in mine[1:]):
+                return mine
+        return None
+    return state
+
+
+def steps_of(state: Any) -> list[int]:
+    """The step counts of ``state``'s optimizers (a chain's last; each label's)."""
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return steps_of(state[-1])
+    if isinstance(state, optim.MultiTransformState):
+        return [n for inner in state.inner_states.values() for n in steps_of(inner)]
+    return [state.step]
+
+
 def problem() -> tuple[nn.Module, Callable[[dict[str, torch.Tensor]], torch.Tensor]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
@@ -150,7 +266,7 @@ def test_matches_torch_optim_over_100_steps(name: str, one_pass: bool) -> None:
     initial = {k: v.detach() for k, v in model.named_parameters()}
     params, _, reference, _ = train_both(name, initial, loss, one_pass)
     for k in params:
-        if one_pass and name != "clip_then_adamw":
+        if one_pass and not name.startswith("clip_then_"):
             # The new parameters as computed, with torch.optim's kernels: the same bits.
             # (clip_grad_norm_ sums its norm in another order: to 1e-6 there, as the updates.)
             assert torch.equal(params[k], reference[k].detach()), k
@@ -235,10 +351,9 @@ def test_matches_torch_optim_on_complex_parameters(name: str, one_pass: bool) ->
     initial, loss = complex_problem()
     params, state, reference, torch_opt = train_both(name, initial, loss, one_pass)
     inner = getattr(torch_opt, "inner", torch_opt)
-    ours = state if hasattr(state, "step") else state[-1]  # a chain's: its last
     for k in params:
         assert params[k].dtype == initial[k].dtype, k
-        if one_pass and name != "clip_then_adamw":
+        if one_pass and not name.startswith("clip_then_"):
             assert torch.equal(params[k], reference[k].detach()), k
         else:
             # new - params added back rounds (see the module docstring): over 100 steps of
@@ -246,7 +361,7 @@ def test_matches_torch_optim_on_complex_parameters(name: str, one_pass: bool) ->
             torch.testing.assert_close(params[k], reference[k].detach(), atol=1e-5, rtol=0)
         for field, theirs in inner.state[reference[k]].items():
             if field in ("exp_avg", "exp_avg_sq"):  # torch's are complex for a complex parameter
-                mine = getattr(ours, field)[k]
+                mine = getattr(state_of(state, k), field)[k]
                 assert mine.dtype == theirs.dtype, (k, field)
                 torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
 
@@ -308,6 +423,15 @@ def test_adam_takes_complex_gradients_with_the_conjugate_bit() -> None:
         lambda: optim.sgd(0.1, momentum=0.9),
         lambda: optim.adamw(),
         lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adam()),
+        # Each label's in one pass, a chain's included.
+        lambda: optim.multi_transform(
+            {
+                "w": optim.chain(optim.clip_by_global_norm(0.5), optim.sgd(0.1, momentum=0.9)),
+                "b": optim.adamw(),
+                "unused": optim.sgd(0.1),
+            },
+            {"w": "w", "b": "b"},
+        ),
     ],
 )
 def test_apply_gradients_forms_no_updates(make: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -500,6 +624,12 @@ OPTIMIZERS: dict[str, Callable[[], optim.GradientTransformation]] = {
     "adam": lambda: optim.adam(0.1),
     "adamw": lambda: optim.adamw(0.1),
     "clip_then_adam": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adam(0.1)),
+    "groups": lambda: optim.multi_transform(
+        {"vector": optim.adam(0.1), "other": optim.sgd(0.1, momentum=0.9)},
+        lambda params: optree.tree_map(
+            lambda p: "vector" if p.dim() == 1 else "other", params, namespace="fdp"
+        ),
+    ),
 }
 
 
@@ -658,6 +788,10 @@ def test_apply_updates_refuses_a_complex_update_for_a_real_parameter() -> None:
         optim.apply_updates({"w": torch.zeros(2)}, {"w": torch.ones(2, dtype=torch.complex64)})
 
 
+def by_dim_or_dtype(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: "a" if v.dtype == torch.float32 else "b" for k, v in params.items()}
+
+
 def test_the_checks_write_key_paths_only_for_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # They run in every training step: the success path reads shapes and dtypes, nothing more.
     def refuse(*args: Any) -> Any:
@@ -665,7 +799,12 @@ def test_the_checks_write_key_paths_only_for_an_error(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(fdp_tree, "flatten_with_paths", refuse)
     params = {"w": torch.ones(3), "b": torch.zeros(1, dtype=torch.float64)}
-    for opt in (optim.sgd(0.1, momentum=0.9), optim.adamw(0.1)):
+    for opt in (
+        optim.sgd(0.1, momentum=0.9),
+        optim.adamw(0.1),
+        optim.multi_transform({"a": optim.adamw(0.1), "b": optim.sgd(0.1)}, {"w": "a", "b": "b"}),
+        optim.multi_transform({"a": optim.adamw(0.1), "b": optim.sgd(0.1)}, by_dim_or_dtype),
+    ):
         state = opt.init(params)
         for _ in range(2):
             updates, state = opt.update(params, state, params)
@@ -691,8 +830,7 @@ def test_empty_trees(empty: Any) -> None:
                 else:
                     result, state = opt.update(empty, state, empty)
                 assert result == empty, name
-                last = state if hasattr(state, "step") else state[-1]  # a chain's: its last
-                assert last.step == step, name
+                assert steps_of(state) and set(steps_of(state)) == {step}, name
             assert optree.tree_structure(state) == optree.tree_structure(opt.init(empty)), name
 
 
@@ -710,7 +848,13 @@ def test_a_pair_rebuilt_from_the_same_functions_keeps_its_one_pass() -> None:
 def test_nothing_is_modified_in_place() -> None:
     params = {"w": torch.ones(3)}
     grads = {"w": torch.ones(3)}
-    for opt in (optim.sgd(0.1, momentum=0.9), optim.adam(), optim.adamw(), optim.clip_by_global_norm(0.1)):
+    for opt in (
+        optim.sgd(0.1, momentum=0.9),
+        optim.adam(),
+        optim.adamw(),
+        optim.clip_by_global_norm(0.1),
+        optim.multi_transform({"a": optim.adam(), "b": optim.sgd(0.1, momentum=0.9)}, {"w": "b"}),
+    ):
         state = opt.init(params)
         tensors = [t for t in optree.tree_leaves((params, grads, state)) if isinstance(t, torch.Tensor)]
         snapshot = [t.clone() for t in tensors]
@@ -1019,6 +1163,7 @@ def test_first_momentum_is_a_copy_of_the_gradients(path: str) -> None:
         optim.adam,
         optim.adamw,
         lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1)),
+        lambda: optim.multi_transform({"a": optim.adam(), "b": optim.sgd(0.1)}, lambda params: "a"),
     ],
 )
 @pytest.mark.parametrize("path", ["update", "apply_gradients"])
@@ -1127,3 +1272,404 @@ def test_states_round_trip_through_torch_save_with_weights_only(name: str) -> No
             namespace="fdp",
         )
     )
+
+
+# --- parameter groups: multi_transform ------------------------------------------------------
+
+
+def nested_problem() -> tuple[dict[str, dict[str, torch.Tensor]], Callable[[Any], torch.Tensor]]:
+    """A backbone and a head, as nested dicts of parameters."""
+    torch.manual_seed(0)
+    params = {
+        "backbone": {"w": torch.randn(6, 8), "b": torch.randn(8)},
+        "head": {"w": torch.randn(8, 2), "b": torch.randn(2)},
+    }
+    x, y = torch.randn(16, 6), torch.randn(16, 2)
+
+    def loss(p: Any) -> torch.Tensor:
+        hidden = torch.tanh(x @ p["backbone"]["w"] + p["backbone"]["b"])
+        return ((hidden @ p["head"]["w"] + p["head"]["b"] - y) ** 2).mean()
+
+    return params, loss
+
+
+def run(
+    opt: optim.GradientTransformation, params: Any, loss: Callable[[Any], torch.Tensor], steps: int = 5
+) -> Any:
+    """``steps`` one-pass steps of ``opt`` from ``params``: the params and the state."""
+    state = opt.init(params)
+    for _ in range(steps):
+        params, state = opt.apply_gradients(torch.func.grad(loss)(params), state, params)
+    return params, state
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    leaves, spec = optree.tree_flatten(a, namespace="fdp")
+    other, other_spec = optree.tree_flatten(b, namespace="fdp")
+    assert spec == other_spec
+    for x, y in zip(leaves, other):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"backbone": {"w": "slow", "b": "slow"}, "head": {"w": "fast", "b": "fast"}},
+        {"backbone": "slow", "head": "fast"},  # a prefix: one label for a whole subtree
+        lambda params: {name: "slow" if name == "backbone" else "fast" for name in params},
+    ],
+    ids=["tree", "prefix", "function"],
+)
+def test_multi_transform_labels_as_a_tree_a_prefix_or_a_function(labels: Any) -> None:
+    # A smaller rate for a pretrained backbone: each part steps as its optimizer alone would.
+    params, loss = nested_problem()
+    opt = optim.multi_transform({"slow": optim.adamw(1e-3), "fast": optim.sgd(0.1, momentum=0.9)}, labels)
+    new, state = run(opt, params, loss)
+    assert isinstance(state, optim.MultiTransformState) and list(state.inner_states) == ["slow", "fast"]
+    # Each part stepped by its optimizer alone, with its share of the whole loss's gradients.
+    slow, fast = optim.adamw(1e-3), optim.sgd(0.1, momentum=0.9)
+    expected, slow_state, fast_state = params, slow.init(params["backbone"]), fast.init(params["head"])
+    for _ in range(5):
+        grads = torch.func.grad(loss)(expected)
+        backbone, slow_state = slow.apply_gradients(grads["backbone"], slow_state, expected["backbone"])
+        head, fast_state = fast.apply_gradients(grads["head"], fast_state, expected["head"])
+        expected = {"backbone": backbone, "head": head}
+    assert_trees_equal(new, expected)
+    assert state.inner_states["slow"].step == state.inner_states["fast"].step == 5
+    assert_trees_equal(state.inner_states["slow"].exp_avg["backbone"], slow_state.exp_avg)
+    assert optree.tree_leaves(state.inner_states["slow"].exp_avg["head"]) == []  # None at its leaves
+    assert_trees_equal(state.inner_states["fast"].momentum["head"], fast_state.momentum)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update_apply_updates", "apply_gradients"])
+def test_multi_transform_of_one_label_for_all_is_that_transformation(one_pass: bool) -> None:
+    params, loss = nested_problem()
+    alone, inner = optim.adam(1e-2, weight_decay=1e-3), optim.adam(1e-2, weight_decay=1e-3)
+    opt = optim.multi_transform({"all": inner}, "all")  # a label at the root: a prefix of any tree
+    a, a_state, b, b_state = params, alone.init(params), params, opt.init(params)
+    for _ in range(5):
+        if one_pass:
+            a, a_state = alone.apply_gradients(torch.func.grad(loss)(a), a_state, a)
+            b, b_state = opt.apply_gradients(torch.func.grad(loss)(b), b_state, b)
+        else:
+            updates, a_state = alone.update(torch.func.grad(loss)(a), a_state, a)
+            a = optim.apply_updates(a, updates)
+            updates, b_state = opt.update(torch.func.grad(loss)(b), b_state, b)
+            b = optim.apply_updates(b, updates)
+    assert_trees_equal(a, b)
+    assert_trees_equal(a_state, b_state.inner_states["all"])
+
+
+def test_multi_transform_steps_a_label_that_labels_no_parameter() -> None:
+    # As torch.optim steps every group: its count (and schedule) go on with the others'.
+    seen: list[int] = []
+    opt = optim.multi_transform(
+        {"train": optim.sgd(0.1), "unused": optim.adam(lambda step: seen.append(step) or 1e-3)},
+        lambda params: "train",
+    )
+    params = {"w": torch.ones(2)}
+    new, state = run(opt, params, lambda p: p["w"].sum(), steps=3)
+    assert seen == [0, 1, 2] and state.inner_states["unused"].step == 3
+    assert optree.tree_leaves(state.inner_states["unused"]) == [3]  # no moments: no parameters
+    torch.testing.assert_close(new["w"], torch.full((2,), 0.7))
+
+
+def test_multi_transform_matches_labels_to_parameters_by_key() -> None:
+    # An OrderedDict's leaves come in its order, not sorted: labels in another order, or in a
+    # plain dict, must still reach their parameters by key.
+    from collections import OrderedDict
+
+    params = OrderedDict([("z", torch.ones(2)), ("a", torch.ones(3))])
+    grads = OrderedDict([("z", torch.ones(2)), ("a", torch.ones(3))])
+    transforms = {"move": optim.sgd(1.0), "keep": optim.sgd(0.0)}
+    for labels in (OrderedDict([("a", "move"), ("z", "keep")]), {"a": "move", "z": "keep"}):
+        opt = optim.multi_transform(transforms, labels)
+        new, _ = opt.apply_gradients(grads, opt.init(params), params)
+        assert type(new) is OrderedDict and list(new) == ["z", "a"]
+        assert new["z"].tolist() == [1.0, 1.0] and new["a"].tolist() == [0.0, 0.0, 0.0]
+        updates, _ = opt.update(grads, opt.init(params), params)
+        assert updates["z"].tolist() == [0.0, 0.0] and updates["a"].tolist() == [-1.0] * 3
+
+
+def test_multi_transform_with_a_transformation_of_ones_own_in_a_group() -> None:
+    # A label whose transformation has no one-pass step gets update then apply_updates; the
+    # others still step in one pass.
+    halve = optim.GradientTransformation(
+        lambda params: optim.EmptyState(),
+        lambda grads, state, params=None: (
+            optree.tree_map(lambda g: -0.5 * g, grads, namespace="fdp"),
+            state,
+        ),
+    )
+    opt = optim.multi_transform({"mine": halve, "adam": optim.adam(0.1)}, {"w": "mine", "b": "adam"})
+    params, grads = {"w": torch.ones(2), "b": torch.ones(1)}, {"w": torch.ones(2), "b": torch.ones(1)}
+    new, state = opt.apply_gradients(grads, opt.init(params), params)
+    updates, expected_state = opt.update(grads, opt.init(params), params)
+    assert_trees_equal(new, optim.apply_updates(params, updates))
+    assert_trees_equal(state, expected_state)
+    assert new["w"].tolist() == [0.5, 0.5]
+    torch.testing.assert_close(new["b"], torch.full((1,), 0.9))
+
+
+def test_multi_transform_update_without_params() -> None:
+    # Transformations that need no parameters (clipping): a function of the labels is then
+    # called with the gradients, and each label's gradients are clipped on their own norm.
+    called_with: list[Any] = []
+
+    def labels(tree: Any) -> dict[str, str]:
+        called_with.append(tree)
+        return {"w": "tight", "b": "loose"}
+
+    opt = optim.multi_transform(
+        {"tight": optim.clip_by_global_norm(1.0), "loose": optim.clip_by_global_norm(100.0)}, labels
+    )
+    grads = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([3.0, 4.0])}
+    clipped, _ = opt.update(grads, opt.init(grads))
+    assert called_with[-1] is grads
+    torch.testing.assert_close(clipped["w"], torch.tensor([0.6, 0.8]))
+    assert torch.equal(clipped["b"], grads["b"])
+
+
+def test_multi_transform_under_pmap_with_resident_state_matches_one_device() -> None:
+    # The state lives on the replicas (PerReplica), goes through pmap and back to one device
+    # with fdp.unreplicate; inside a chain, with a schedule for one label.
+    from helpers import cpus
+
+    import fdp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    batches = [(torch.randn(32, 6), torch.randn(32, 2)) for _ in range(10)]
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.multi_transform(
+            {
+                "decay": optim.adamw(lambda k: 1e-2 * warmup_cosine(k), weight_decay=0.1),
+                "no_decay": optim.sgd(0.05, momentum=0.9),
+            },
+            by_dim,
+        ),
+    )
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # (fdp's functional_call: torch.func's swaps the module's parameters, which the
+        # replicas' threads share.)
+        return ((fdp.functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    @fdp.pmap(axis_name="batch", devices=cpus(2), out_axes=fdp.PER_REPLICA)
+    def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads = fdp.pmean(torch.func.grad(loss)(state["params"], x, y), "batch", weight=x.shape[0])
+        new, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        return {"params": new, "opt": opt_state}
+
+    resident = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(2))
+    single, single_state = params, opt.init(params)
+    for x, y in batches:
+        resident = step(resident, x, y)
+        single, single_state = opt.apply_gradients(torch.func.grad(loss)(single, x, y), single_state, single)
+    replicas = [fdp.unreplicate(resident, r) for r in range(2)]
+    assert_trees_equal(replicas[0], replicas[1])  # the replicas agree bit for bit
+    ours = replicas[0]
+    assert isinstance(ours["opt"][1], optim.MultiTransformState)
+    assert steps_of(ours["opt"]) == [10, 10]
+    assert optree.tree_structure(ours["opt"], namespace="fdp") == optree.tree_structure(
+        single_state, namespace="fdp"
+    )
+    # The mean of the shards' gradients is the whole batch's to rounding.
+    for mine, theirs in zip(
+        optree.tree_leaves(ours, namespace="fdp"),
+        optree.tree_leaves({"params": single, "opt": single_state}, namespace="fdp"),
+    ):
+        if isinstance(mine, torch.Tensor):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+        else:
+            assert mine == theirs
+
+
+TWO = {"slow": optim.adamw(1e-3), "fast": optim.sgd(0.1)}
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (
+            lambda: optim.multi_transform([optim.adam()], {"w": 0}),  # type: ignore[arg-type]
+            TypeError,
+            r"^fdp\.optim\.multi_transform: transforms must be a mapping from labels to "
+            r"GradientTransformations \(e\.g\. \{'decay': fdp\.optim\.adamw\(1e-3\)\}\), got list: \[",
+        ),
+        (
+            lambda: optim.multi_transform({"decay": optim.adamw}, "decay"),  # the factory, not called
+            TypeError,
+            r"^fdp\.optim\.multi_transform: transforms\['decay'\] must be a GradientTransformation "
+            r"\(an init, update pair such as fdp\.optim\.adam\(1e-3\)\), got function: <function adamw",
+        ),
+        (
+            lambda: optim.multi_transform({}, "decay"),
+            ValueError,
+            r"^fdp\.optim\.multi_transform: transforms is empty: give the transformation of each label$",
+        ),
+        # A typo in a label: known when the labels are given.
+        (
+            lambda: optim.multi_transform(TWO, {"backbone": "slow", "head": {"w": "fats", "b": "fast"}}),
+            ValueError,
+            r"^fdp\.optim\.multi_transform got param_labels\['head'\]\['w'\] = 'fats', a label with no "
+            r"transformation: transforms has the labels \['slow', 'fast'\]$",
+        ),
+        (
+            lambda: optim.multi_transform(TWO, {"backbone": "slow", "head": {"slow"}}),  # unhashable
+            ValueError,
+            r"^fdp\.optim\.multi_transform got param_labels\['head'\] = \{'slow'\}, a label with no ",
+        ),
+    ],
+    ids=["not-a-mapping", "not-a-transformation", "empty", "unknown-label", "unhashable-label"],
+)
+def test_multi_transform_refuses_what_cannot_be_groups(
+    make: Callable[[], Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize("call", ["init", "update", "apply_gradients"])
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        (
+            lambda params: {"backbone": "slow", "head": "fats"},
+            r"got param_labels\(params\)\['head'\] = 'fats', a label with no transformation: transforms "
+            r"has the labels \['slow', 'fast'\]$",
+        ),
+        (
+            lambda params: {"backbone": "slow", "head": {"w": "fast"}},
+            r"got param_labels\(params\) unlike params: the labels must be a tree of params' structure "
+            r"with a label at each leaf, or a prefix of it \(one label for a whole subtree\)\.\n"
+            r"pytree structure error: different pytree keys at key path\n"
+            r"    param_labels\(params\)\['head'\]",
+        ),
+        (
+            {"backbone": "slow", "head": {"w": "fast"}},
+            r"got param_labels unlike params: .*\n.*\n    param_labels\['head'\]\n",
+        ),
+        (
+            {"backbone": "slow", "head": None},  # None is no label (an empty node to optree)
+            r"got param_labels unlike params: .*\n.*different types at key path\n    param_labels\['head'\]",
+        ),
+    ],
+    ids=["function-unknown-label", "function-unlike-params", "tree-unlike-params", "none-as-a-label"],
+)
+def test_multi_transform_names_the_label_that_does_not_fit(labels: Any, match: str, call: str) -> None:
+    params, _ = nested_problem()
+    if call == "init":
+        opt = optim.multi_transform(TWO, labels)
+        with pytest.raises(ValueError, match=r"^fdp\.optim\.multi_transform: init " + match):
+            opt.init(params)
+        return
+    # Labels that fit at init and not later (a function that changed its mind).
+    calls = iter([{"backbone": "slow", "head": "fast"}])
+    opt = optim.multi_transform(
+        TWO, lambda p: next(calls, None) or (labels(p) if callable(labels) else labels)
+    )
+    state = opt.init(params)
+    with pytest.raises(
+        ValueError,
+        match=rf"^fdp\.optim\.multi_transform: {call} "
+        + match.replace("param_labels unlike", r"param_labels\(params\) unlike").replace(
+            r"param_labels\[", r"param_labels\(params\)\["
+        ),
+    ):
+        getattr(opt, call)(params, state, params)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize(
+    ("make_state", "match"),
+    [
+        (
+            lambda p: optim.adamw().init(p),
+            r"got a state of type AdamState, expected MultiTransformState: the state must come from this "
+            r"transformation's init\(params\) or its last step, passed as {call}\(grads, state, params\)$",
+        ),
+        (
+            lambda p: optim.chain(optim.multi_transform(TWO, "slow")).init(p),
+            r"got a state of type tuple, expected MultiTransformState",
+        ),
+        # Another multi_transform's: its states would be dealt out to other transformations.
+        (
+            lambda p: optim.multi_transform({"slow": optim.adamw(), "other": optim.sgd(0.1)}, "slow").init(p),
+            r"got a state for the labels \['slow', 'other'\], expected one for the labels "
+            r"\['slow', 'fast'\]: the state must come from this transformation's init\(params\)$",
+        ),
+        (
+            lambda p: optim.MultiTransformState([optim.adamw().init(p), optim.sgd(0.1).init(p)]),  # type: ignore[arg-type]
+            r"got inner_states of type list, expected one for the labels \['slow', 'fast'\]",
+        ),
+    ],
+    ids=["an-optimizers-state", "a-chains-state", "other-labels", "not-a-dict"],
+)
+def test_multi_transform_refuses_a_state_of_another_kind(
+    make_state: Callable[[Any], Any], match: str, one_pass: bool
+) -> None:
+    params, _ = nested_problem()
+    opt = optim.multi_transform(TWO, {"backbone": "slow", "head": "fast"})
+    call = "apply_gradients" if one_pass else "update"
+    with pytest.raises(
+        ValueError, match=r"^fdp\.optim\.multi_transform: " + call + " " + match.format(call=call)
+    ):
+        getattr(opt, call)(params, make_state(params), params)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+def test_multi_transform_refuses_grads_unlike_params(one_pass: bool) -> None:
+    # Checked before the labels split them: else the transformations' own messages would show
+    # masked trees, with None in the places of other labels' leaves.
+    params, _ = nested_problem()
+    opt = optim.multi_transform(TWO, {"backbone": "slow", "head": "fast"})
+    call = getattr(opt, "apply_gradients" if one_pass else "update")
+    name = "apply_gradients" if one_pass else "update"
+    state = opt.init(params)
+    with pytest.raises(
+        ValueError,
+        match=rf"^fdp\.optim\.multi_transform: {name} got params PyTreeSpec\(.*\) but grads "
+        r"PyTreeSpec\(\{'backbone'",
+    ):
+        call({"backbone": params["backbone"]}, state, params)
+    unused = {**params, "head": {"w": params["head"]["w"], "b": None}}  # allow_unused=True's None
+    with pytest.raises(
+        ValueError,
+        match=rf"^fdp\.optim\.multi_transform: {name} got grads\['head'\]\['b'\] = None for a tensor ",
+    ):
+        call(unused, state, params)
+    # A leaf of another shape: the label's optimizer names it by its path in the whole tree.
+    wrong = {**params, "head": {"w": params["head"]["w"], "b": torch.ones(3)}}
+    with pytest.raises(
+        ValueError,
+        match=rf"^fdp\.optim\.sgd: {name} got grads\['head'\]\['b'\] of shape \(3,\) for "
+        r"params\['head'\]\['b'\] ",
+    ):
+        call(wrong, state, params)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+def test_multi_transform_refuses_a_transformation_that_returns_another_tree(one_pass: bool) -> None:
+    # Its leaves, placed by position, would land on other parameters.
+    drops_none = optim.GradientTransformation(
+        lambda params: optim.EmptyState(),
+        lambda grads, state, params=None: ({k: v for k, v in grads.items() if v is not None}, state),
+    )
+    opt = optim.multi_transform({"mine": drops_none, "sgd": optim.sgd(0.1)}, {"a": "sgd", "b": "mine"})
+    params = {"a": torch.ones(1), "b": torch.ones(2)}
+    call = "apply_gradients" if one_pass else "update"
+    error = ValueError
+    match = (
+        r"^fdp\.optim\.multi_transform: update: transforms\['mine'\] returned PyTreeSpec\(\{'b': \*\}\) "
+        r"for the masked tree PyTreeSpec\(\{'a': None, 'b': \*\}\); a transformation must return a tree "
+        r"like the one it is given$"
+    )
+    if one_pass:  # apply_updates refuses the updates first
+        match = (
+            r"^fdp\.optim\.apply_updates: params are PyTreeSpec\(\{'a': None, 'b': \*\}\) but updates are "
+        )
+    with pytest.raises(error, match=match):
+        getattr(opt, call)(params, opt.init(params), params)
