@@ -168,6 +168,13 @@ SNIPPET = textwrap.dedent(
     def make_optimizer(lr: float) -> fdp.optim.GradientTransformation:  # bare: any state
         return fdp.optim.adam(lr) if lr else fdp.optim.sgd(lr)
     fdp.optim.adam(torch.tensor(1e-3))  # a 0-dim tensor, as torch.optim takes
+    # Parameter groups: a transformation per label, whatever its state.
+    groups = fdp.optim.multi_transform(
+        {"decay": fdp.optim.adamw(1e-3, weight_decay=0.1), "no_decay": fdp.optim.sgd(0.1)},
+        lambda p: {k: "decay" if v.dim() > 1 else "no_decay" for k, v in p.items()},
+    )
+    reveal_type(groups.init(params))  # reveals: tuple[dict[Any, Any], fallback=MultiTransformState]
+    groups.apply_gradients(grads, sgd.init(params), params)  # error: arg-type
     fdp.optim.sgd(lambda step: 0.1 * 0.9**step)
 
     # A transformation of one's own: the update's parameters may have any names.
