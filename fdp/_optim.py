@@ -1054,7 +1054,13 @@ def multi_transform(
         """The positions of the leaves of ``tree`` (the params, or the grads without them,
         written ``root``; of leaves ``leaves`` and structure ``spec``) by label, each with the
         structure of its masked tree."""
-        labels = param_labels(tree) if labelled else param_labels
+        try:
+            labels = param_labels(tree) if labelled else param_labels
+        except Exception:
+            # A function that reads its leaves (v.dim()) fails on resident state outside the
+            # pmapped function, in words that do not say so: the PerReplica leaf is named.
+            _refuse_non_tensors(f"{where}: {call}", root, tree, leaves)
+            raise
         label_leaves, labels_spec = _tree.flatten(labels) if fixed is None else fixed
         cached = known.get(spec)
         if (

@@ -733,6 +733,11 @@ def test_per_replica_leaves_outside_the_pmapped_function_are_refused_with_a_hint
     hint += r"function.*init on the parameters before"
     with pytest.raises(ValueError, match=rf"^fdp\.optim\.adam: init got params\['w'\] {hint}"):
         opt.init(placed["params"])
+    # A function of the labels that reads the leaves (v.dim()) failed on them, saying only
+    # "'PerReplica' object has no attribute 'dim'".
+    groups = optim.multi_transform({"decay": optim.adamw(), "no_decay": optim.adam()}, by_dim)
+    with pytest.raises(ValueError, match=rf"^fdp\.optim\.multi_transform: init got params\['w'\] {hint}"):
+        groups.init(placed["params"])
     with pytest.raises(
         ValueError, match=rf"^fdp\.optim\.clip_by_global_norm: update got grads\['w'\] {hint}"
     ):
