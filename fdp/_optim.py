@@ -21,10 +21,10 @@ Like ``torch.optim``, updates are computed without autograd (``torch.no_grad``):
 that require grad do not grow a graph step after step.
 
 :meth:`GradientTransformation.apply_gradients` does ``update`` and :func:`apply_updates` in one:
-for these optimizers (and a :func:`chain` ending in one) it returns the new parameters as
-computed, torch's own, without the two extra passes over every parameter that forming
-``new - params`` and adding it back take. For a model of a few megabytes, those passes cost
-as much as its forward pass on a small batch.
+for these optimizers (and a :func:`chain` ending in one, and :func:`multi_transform`'s labels
+stepped by them) it returns the new parameters as computed, torch's own, without the two
+extra passes over every parameter that forming ``new - params`` and adding it back take. For a
+model of a few megabytes, those passes cost as much as its forward pass on a small batch.
 """
 
 from __future__ import annotations
@@ -114,8 +114,9 @@ class GradientTransformation(NamedTuple, Generic[StateT]):
         """One optimizer step: the new parameters and the new state (flax's
         ``TrainState.apply_gradients``, functionally).
 
-        The result of ``update`` followed by :func:`apply_updates`. fdp's optimizers, and a
-        :func:`chain` that ends in one, compute it in one pass: the parameters come back as
+        The result of ``update`` followed by :func:`apply_updates`. fdp's optimizers, a
+        :func:`chain` that ends in one, and :func:`multi_transform` (for each label stepped by
+        one of them) compute it in one pass: the parameters come back as
         ``torch.optim`` computes them, bit for bit where it runs the same kernels, with no
         update tensors formed and added back (two passes over every parameter, without autograd).
 
