@@ -169,6 +169,16 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
         # the ones asked for, and a call over ``devices`` would find too many or too few.
         if isinstance(leaf, PerReplica) and leaf.devices != resolved:
             path = _tree.flatten_with_paths(tree, "tree")[0][i]
+            spelled = [d for d in leaf.devices if not isinstance(d, torch.device)]
+            if spelled:
+                # Built by hand (rebuilt from a checkpoint of every replica's copy) with devices
+                # spelled as strings: "cpu" != device("cpu"), and the message below would read
+                # "placed on 2 devices (cpu, cpu), not on the 2 devices given (cpu, cpu)".
+                raise TypeError(
+                    f"fdp.device_put_replicated: {path} is a PerReplica whose devices must be "
+                    f"torch.device objects, got {type(spelled[0]).__name__}s: {list(leaf.devices)!r}. "
+                    "Build it as fdp.PerReplica(values, [torch.device(d) for d in devices])"
+                )
             raise ValueError(
                 f"fdp.device_put_replicated: {path} is already placed, on {len(leaf.devices)} "
                 f"devices ({_names(leaf.devices)}), not on the {len(resolved)} devices given "

@@ -229,6 +229,19 @@ def test_a_per_replica_built_with_devices_spelled_as_strings_says_so(n: int) -> 
     assert "[torch.device(d) for d in devices]" in message
 
 
+def test_device_put_replicated_of_a_per_replica_with_devices_spelled_as_strings_says_so() -> None:
+    # A PerReplica rebuilt from a checkpoint of every replica's copy: the message read "already
+    # placed, on 2 devices (cpu, cpu), not on the 2 devices given (cpu, cpu)".
+    state = {"w": fdp.PerReplica([torch.ones(3)] * 2, ["cpu"] * 2)}  # type: ignore[list-item]
+    with pytest.raises(TypeError) as info:
+        fdp.device_put_replicated(state, cpus(2))
+    assert str(info.value) == (
+        "fdp.device_put_replicated: tree['w'] is a PerReplica whose devices must be torch.device "
+        "objects, got strs: ['cpu', 'cpu']. Build it as fdp.PerReplica(values, [torch.device(d) "
+        "for d in devices])"
+    )
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_per_replica_outputs_never_alias_inputs_or_each_other(n: int) -> None:
     w = torch.zeros(3)
