@@ -551,9 +551,79 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
         result["autocast"] = [str(half["h"].dtype), half["h"].tolist()]
         # The group still works after the refusals.
         result["after"] = fdp.distributed.broadcast(torch.tensor([float(rank)]), src=1).tolist()
+        result["resume"] = resumed_training(rank, folder)
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()
+
+
+def resumed_training(rank: int, folder: str) -> dict:
+    """5 steps of a resident training (2 local replicas per rank, AdamW with a schedule, dropout,
+    BatchNorm statistics averaged), and the same stopped after 2: rank 0 saves ``fdp.unreplicate(state)``,
+    then a fresh step and state resume from it, loaded on every rank, or on rank 0 alone and
+    broadcast (docs/distributed.md, "Starting from the same state"). Whether each resumed run
+    ends bit for bit where the uninterrupted one does, and the step counts each rank resumes
+    with."""
+    devices = ["cpu", "cpu"]
+
+    def build() -> tuple[Callable[..., object], dict]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 3))
+        opt = optim.adamw(lambda step: 1e-2 * min(1.0, (step + 1) / 3))
+
+        @fdp.pmap(axis_name="batch", devices=devices, in_axes=(0, 0, 0, None), out_axes=fdp.PER_REPLICA)
+        def step(state, x, y, seed):
+            params = {k: v.detach().requires_grad_() for k, v in state["params"].items()}
+            with fdp.rng_scope(fdp.replica_seed(seed, "batch")):
+                logits, buffers = fdp.stateful_call(model, params, state["buffers"], (x,))
+            grads = dict(zip(params, torch.autograd.grad(F.cross_entropy(logits, y), list(params.values()))))
+            statistics = {k: v for k, v in buffers.items() if v.is_floating_point()}
+            grads, statistics = fdp.pmean((grads, statistics), "batch", weight=x.shape[0])
+            params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": params, "opt": opt_state, "buffers": {**buffers, **statistics}}
+
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        buffers = {k: v.detach() for k, v in model.named_buffers()}
+        return step, {"params": params, "buffers": buffers, "opt": opt.init(params)}
+
+    def run(step: Callable[..., object], state: object, start: int, stop: int) -> object:
+        for k in range(start, stop):
+            g = torch.Generator().manual_seed(k)
+            batch = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+            x, y = fdp.distributed.shard_batch(batch, local_replicas=len(devices))
+            state = step(state, x, y, fdp.fold_in(0, k))
+        return state
+
+    def leaves(state: object) -> list:
+        copies = [fdp.unreplicate(state, r) for r in range(len(devices))]
+        return [v.tolist() if isinstance(v, torch.Tensor) else v for v in optree.tree_leaves(copies)]
+
+    step, initial = build()
+    expected = leaves(run(step, fdp.device_put_replicated(initial, devices), 0, 5))
+    step, initial = build()
+    state = run(step, fdp.device_put_replicated(initial, devices), 0, 2)
+    path = Path(folder) / "resume.pt"
+    if fdp.distributed.is_main_process():
+        torch.save(fdp.unreplicate(state), path)
+    dist.barrier()  # the file is whole before any rank reads it
+    del step, initial, state
+    result = {}
+    for way in ("everywhere", "broadcast", "broadcast_tensors_only"):
+        step, fresh = build()
+        if way == "everywhere":
+            loaded = torch.load(path, weights_only=True)
+        else:
+            loaded = torch.load(path, weights_only=True) if rank == 0 else fresh
+            if way == "broadcast_tensors_only":
+                loaded = fdp.distributed.broadcast(loaded)
+            else:  # docs/distributed.md: the step count, a Python int, travels as a tensor
+                flat, spec = optree.tree_flatten(loaded, namespace=fdp.NAMESPACE)
+                numbers = [not isinstance(v, torch.Tensor) for v in flat]
+                flat = fdp.distributed.broadcast([torch.tensor(v) if n else v for v, n in zip(flat, numbers)])
+                loaded = optree.tree_unflatten(spec, [v.item() if n else v for v, n in zip(flat, numbers)])
+        resumed = run(step, fdp.device_put_replicated(loaded, devices), 2, 5)
+        result[way] = {"steps": loaded["opt"].step, "exact": leaves(resumed) == expected}
+    return result
 
 
 def existing_group(rank: int, world: int, folder: str) -> None:

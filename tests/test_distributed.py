@@ -472,6 +472,11 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
             assert {path: value for path, value in got.items() if path != "state['step']"} == expected
             assert got["state['step']"] == r["own"]["state['step']"]  # each rank's own
         assert r["from0"]["state['params']['0.weight']"][2] is True
+        # A run stopped after 2 steps resumes bit for bit from rank 0's checkpoint, loaded on
+        # every rank or broadcast with its step count as a tensor; broadcast alone leaves a
+        # fresh rank's count at 0 (an int stays each rank's own), and that rank drifts apart.
+        assert r["resume"]["everywhere"] == {"steps": 2, "exact": True}, r["resume"]
+        assert r["resume"]["broadcast"] == {"steps": 2, "exact": True}, r["resume"]
         assert r["from0"]["state['half']"][0] == "torch.bfloat16"
         assert r["from0"]["state['buffers']['1.num_batches_tracked']"][0] == "torch.int64"
         assert r["transposed"]["error"] == "ValueError", r["transposed"]
@@ -497,6 +502,8 @@ def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> Non
             r[case]["seconds"] < 10 for case in ("transposed", "keys", "untensored", "src", "placed")
         ), r
         assert r["after"] == [1.0]
+    assert [r["resume"]["broadcast_tensors_only"]["steps"] for r in results] == [2, 0]
+    assert [r["resume"]["broadcast_tensors_only"]["exact"] for r in results] == [False, False]
 
 
 def test_broadcast_without_initialize_returns_the_tree() -> None:
