@@ -1439,9 +1439,13 @@ class _SendRows(torch.autograd.Function):
         )
 
 
+# The Python numbers that broadcast sends, as tensors of these dtypes.
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
 @_thread_state.without_autocast  # torch.cat keeps every dtype under any autocast
 def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
-    """Every tensor of ``tree`` with process ``src``'s value, in every process.
+    """Every tensor and Python number of ``tree`` with process ``src``'s value, in every process.
 
     What DDP does to a model's parameters and buffers when it wraps it, and what
     ``jax.experimental.multihost_utils.broadcast_one_to_all`` does: processes that built their
@@ -1451,17 +1455,19 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
     Without :func:`initialize`, ``tree`` itself is returned (a world of one process).
 
     Args:
-        tree: a pytree of tensors (on the CPU or this process's GPU). Other leaves are kept as
-            they are, each process's own.
+        tree: a pytree of tensors (on the CPU or this process's GPU) and Python numbers
+            (``bool``, ``int`` within int64's range, ``float``: an optimizer's step count). Other
+            leaves (strings, ``None``, other objects) are kept as they are, each process's own.
         src: the rank whose values every process gets. Default: ``0``.
 
     Returns:
         ``tree`` with every tensor replaced by a new tensor of its own with ``src``'s value and
         the leaf's dtype, shape, device and ``requires_grad`` (an ``nn.Parameter`` by a new
-        ``nn.Parameter``).
+        ``nn.Parameter``), and every number by ``src``'s, of the leaf's type.
 
     Raises:
-        ValueError: ``src`` is not a rank, or the processes passed different trees.
+        ValueError: ``src`` is not a rank, the processes passed different trees, or an
+            ``int`` does not fit in an int64.
         TypeError: a leaf is a :class:`fdp.PerReplica` (broadcast before
             :func:`fdp.device_put_replicated`).
 
@@ -1489,9 +1495,22 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
     layout = layout_of(tree, treespec, leaves, "tree")
     # One broadcast per device and dtype (the leaves packed in one buffer), as DDP's is.
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    # Python numbers too, as 0-dim CPU tensors (small: they travel with the check), as
+    # jax's broadcast_one_to_all sends every leaf: an optimizer's step count (an int, which a
+    # schedule and Adam's bias corrections read) left each process's own made a rank that
+    # resumed from a fresh opt.init step from 0 and drift apart, silently.
+    sent = list(leaves)
     for k, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            groups.setdefault((leaf.device, leaf.dtype), []).append(k)
+        if type(leaf) in _NUMBER_DTYPES:
+            try:
+                sent[k] = torch.tensor(leaf, dtype=_NUMBER_DTYPES[type(leaf)])
+            except (RuntimeError, ValueError, OverflowError):  # an int past int64's range
+                raise ValueError(
+                    f"fdp.distributed.broadcast: {paths[k]} = {leaf} does not fit in an int64, "
+                    "as which it would be sent: send it as a tensor of your own encoding"
+                ) from None
+        if isinstance(sent[k], torch.Tensor):
+            groups.setdefault((sent[k].device, sent[k].dtype), []).append(k)
     out = list(leaves)
     what = ("fdp.distributed.broadcast", f"a broadcast from rank {src}")
     if not groups:
@@ -1500,7 +1519,7 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         _collective(*what, None, [], kind="outside", layout=layout)
     with torch.no_grad():
         for members in groups.values():
-            tensors = [leaves[k].detach() for k in members]
+            tensors = [sent[k].detach() for k in members]
             # cat, not _flatten_dense_tensors, which hands one tensor back as a view of it: the
             # broadcast would write into the caller's leaf.
             buffer = torch.cat([t.reshape(-1) for t in tensors])
@@ -1512,6 +1531,9 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
             if carried is not None:
                 buffer = carried[src]
             for k, piece in zip(members, _unflatten_dense_tensors(buffer, tensors)):
+                if not isinstance(leaves[k], torch.Tensor):
+                    out[k] = type(leaves[k])(piece.item())  # a number of the leaf's type
+                    continue
                 value = piece.clone()  # a tensor of its own, not a view of the buffer
                 if isinstance(leaves[k], nn.Parameter):  # a model's parameter stays one
                     out[k] = nn.Parameter(value, requires_grad=leaves[k].requires_grad)

@@ -494,7 +494,10 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
         "big": torch.randn(3000),
         "half": torch.randn(5).bfloat16(),
         "flag": torch.tensor(rank == 0),
-        "step": rank,  # not a tensor: each rank keeps its own
+        "step": rank,  # Python numbers: sent as 0-dim tensors, returned as numbers of their type
+        "lr": 0.5 + rank,
+        "nesterov": rank == 1,
+        "name": f"rank {rank}",  # not a number: each rank keeps its own
     }
 
     def values(tree: object) -> dict:
@@ -526,6 +529,7 @@ def broadcast_state(rank: int, world: int, folder: str) -> None:
         result["transposed"] = timed_outcome(
             lambda: fdp.distributed.broadcast({"w": torch.ones(2 + rank, 3 - rank)})
         )
+        result["huge"] = timed_outcome(lambda: fdp.distributed.broadcast({"n": 2**70}))
         result["keys"] = timed_outcome(lambda: fdp.distributed.broadcast({("a", "b")[rank]: torch.ones(4)}))
         # (A CUDA tensor on one rank would go to NCCL where the CPU one goes to gloo: a hang.)
         result["devices"] = timed_outcome(
@@ -608,19 +612,12 @@ def resumed_training(rank: int, folder: str) -> dict:
     dist.barrier()  # the file is whole before any rank reads it
     del step, initial, state
     result = {}
-    for way in ("everywhere", "broadcast", "broadcast_tensors_only"):
+    for way in ("everywhere", "broadcast"):
         step, fresh = build()
         if way == "everywhere":
             loaded = torch.load(path, weights_only=True)
-        else:
-            loaded = torch.load(path, weights_only=True) if rank == 0 else fresh
-            if way == "broadcast_tensors_only":
-                loaded = fdp.distributed.broadcast(loaded)
-            else:  # docs/distributed.md: the step count, a Python int, travels as a tensor
-                flat, spec = optree.tree_flatten(loaded, namespace=fdp.NAMESPACE)
-                numbers = [not isinstance(v, torch.Tensor) for v in flat]
-                flat = fdp.distributed.broadcast([torch.tensor(v) if n else v for v, n in zip(flat, numbers)])
-                loaded = optree.tree_unflatten(spec, [v.item() if n else v for v, n in zip(flat, numbers)])
+        else:  # the step count, a Python int, comes from rank 0 too
+            loaded = fdp.distributed.broadcast(torch.load(path, weights_only=True) if rank == 0 else fresh)
         resumed = run(step, fdp.device_put_replicated(loaded, devices), 2, 5)
         result[way] = {"steps": loaded["opt"].step, "exact": leaves(resumed) == expected}
     return result
