@@ -164,6 +164,8 @@ class _Packed:
         "aliased",
         "whole",
         "quantization",
+        "grad_free",
+        "detached",
     )
 
     def __init__(
@@ -283,6 +285,22 @@ class _Packed:
         except (RuntimeError, NotImplementedError) as err:
             self._refuse_non_dense(caller, err)
             raise
+        # Leaves that need no gradient packed beside one that does (gradients from
+        # torch.autograd.grad beside their loss): every view of the buffer would require grad,
+        # hold the loss's graph, and refuse .numpy(). Those that no replica's needs get detached
+        # results (see unpack; decided where every replica's leaves are seen, in _exchange).
+        self.grad_free: tuple[int, ...] = ()
+        self.detached: frozenset[int] = frozenset()
+        if untransformed and any(
+            len(members) > 1 and buffer.requires_grad for members, buffer in zip(self.members, self.buffers)
+        ):
+            self.grad_free = tuple(
+                k
+                for members, buffer in zip(self.members, self.buffers)
+                if len(members) > 1 and buffer.requires_grad
+                for k in members
+                if not self.leaves[k].requires_grad
+            )
 
     def _refuse_non_dense(self, caller: str, err: BaseException) -> None:
         """Raises a TypeError naming the first sparse or nested leaf, if any, after packing
@@ -366,6 +384,8 @@ class _Packed:
                 _, offset, numel = self.slots[k]
                 piece = buffers[b].narrow(-1, offset, numel)
                 out[k] = piece.reshape(self.leaves[k].shape) if leaf_result is None else leaf_result(k, piece)
+        for k in self.detached:
+            out[k] = out[k].detach()
         return _tree.unflatten(self.treespec, out)
 
 
@@ -1007,6 +1027,12 @@ def _exchange(
         layout = payloads[0][0]
         if layout is not None:
             _check_same_layout([p[0] for p in payloads], op.name, context.group.offset, op.joins)
+            if layout.grad_free and not context.group.distributed:
+                # A result needs a gradient where any replica's leaf does. (Across processes the
+                # others' leaves are not seen here: their results keep the buffer's.)
+                common = frozenset(layout.grad_free).intersection(*(p[0].grad_free for p in payloads[1:]))
+                for p in payloads:
+                    p[0].detached = common
         if layout is not None and layout.quantization and context.group.distributed:
             # torch.distributed sends no quantized tensors: gloo's copy failed with "Copying from
             # quantized Tensor to non-quantized Tensor is not allowed", naming no leaf.
@@ -1257,6 +1283,7 @@ def _run(
     if context.group.size == 1 and op.keeps_lone_value(context.group, extra, packed):
         # The only replica: its result is its own value, in memory of its own; no exchange.
         results = packed.private_buffers()
+        packed.detached = frozenset(packed.grad_free)
     elif op.defers(context.group):
         results = _exchange(op, context, _joined(packed.private_buffers()), extra, packed, defer=True)
     else:

@@ -1437,6 +1437,46 @@ def test_one_replica_gets_its_value_in_memory_of_its_own(reduce: Any, tree: str)
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gradients_reduced_beside_their_loss_need_no_gradient_themselves(n: int) -> None:
+    """torch.autograd.grad's gradients packed in one buffer with the loss that requires grad:
+    their results require none (no graph of the loss's held, .numpy() works), the loss's does,
+    and its gradient through the call is one device's."""
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(6, 3)
+
+    @fdp.pmap(axis_name="i", devices=cpus(n), out_axes=None)
+    def step(x: torch.Tensor) -> Any:
+        loss = (x @ w).square().mean()
+        (grad,) = torch.autograd.grad(loss, [w], retain_graph=True)  # the loss is differentiated again
+        grad, loss = fdp.pmean((grad, loss), "i", weight=x.shape[0])
+        assert not grad.requires_grad and grad.grad_fn is None
+        return grad.numpy().copy(), loss
+
+    grad, loss = step(x)
+    (expected,) = torch.autograd.grad((x @ w).square().mean(), [w])
+    torch.testing.assert_close(torch.from_numpy(grad), expected)
+    assert loss.requires_grad
+    torch.testing.assert_close(torch.autograd.grad(loss, [w])[0], expected)
+
+
+def test_a_leaf_that_one_replica_differentiates_keeps_its_gradient_on_every_replica() -> None:
+    # Replica 0's leaf is a constant, replica 1's depends on w: their sum depends on w on both.
+    w = torch.tensor(2.0, requires_grad=True)
+
+    @fdp.pmap(axis_name="i", devices=cpus(2))
+    def f(x: torch.Tensor) -> torch.Tensor:
+        value = x.sum() * w if fdp.axis_index("i") == 1 else torch.tensor(1.0)
+        total, anchor = fdp.psum((value, x.sum() * w), "i")
+        assert total.requires_grad
+        return total[None] + 0 * anchor
+
+    out = f(torch.ones(4, 1))
+    assert out.tolist() == [5.0, 5.0]  # replica 0's 1, plus replica 1's 2 rows x w = 4
+    (grad,) = torch.autograd.grad(out.sum(), [w])
+    assert grad.item() == 2 * 2.0  # each replica's total holds replica 1's 2 * w
+
+
 def test_one_replica_result_shares_nothing_with_the_value_even_through_numpy() -> None:
     """A lone replica's reduction copies its value at once. (A copy-on-write clone would be
     cheaper, but memory that NumPy or DLPack also points at would then be written behind torch's
