@@ -416,17 +416,10 @@ def _place_resident(
         leaf: _state.PerReplica = leaves[k]
         n = len(run_on)
         if leaf.devices[:n] != run_on or not (len(leaf) == n or (leaf.prefix_ok and len(leaf) > n)):
-            spelled = [x for x in leaf.devices if not isinstance(x, torch.device)]
-            if spelled:
-                # Built by hand with devices spelled as strings: "cpu" != device("cpu"), so it
-                # fits no call, and the message below would read "one per replica on ['cpu'],
-                # but this call runs 1 replica on ['cpu']".
-                raise TypeError(
-                    f"{caller}: {paths()[k]} is a PerReplica whose devices must be torch.device "
-                    f"objects, got {type(spelled[0]).__name__}s: {list(leaf.devices)!r}. Build it "
-                    "as fdp.PerReplica(values, [torch.device(d) for d in devices]), or place the "
-                    "state with fdp.device_put_replicated."
-                )
+            # (The message below would read "one per replica on ['cpu'], but this call runs 1
+            # replica on ['cpu']".)
+            remedy = ", or place the state with fdp.device_put_replicated."
+            _state.refuse_spelled_devices(leaf, caller, paths()[k], remedy)
             raise ValueError(_resident_message(leaf, paths()[k], run_on, caller, devices, split, batch))
         for r in range(len(run_on)):
             rows[r][k] = leaf.values[r]

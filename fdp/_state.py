@@ -125,6 +125,19 @@ def refused_by_node(path: str, node_type: type, error: Exception) -> str:
     )
 
 
+def refuse_spelled_devices(leaf: PerReplica, caller: str, path: str, remedy: str = "") -> None:
+    """Raises ``TypeError`` if ``leaf`` (written ``path``) was built by hand with devices spelled
+    as strings: ``"cpu" != torch.device("cpu")``, so it fits no call's devices, and the
+    message that says so would name the same devices twice. ``remedy`` ends the message."""
+    spelled = [d for d in leaf.devices if not isinstance(d, torch.device)]
+    if spelled:
+        raise TypeError(
+            f"{caller}: {path} is a PerReplica whose devices must be torch.device objects, got "
+            f"{type(spelled[0]).__name__}s: {list(leaf.devices)!r}. Build it as "
+            f"fdp.PerReplica(values, [torch.device(d) for d in devices]){remedy}"
+        )
+
+
 def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> Any:
     """Places an independent copy of every tensor of ``tree`` on every device, once.
 
@@ -169,16 +182,9 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
         # the ones asked for, and a call over ``devices`` would find too many or too few.
         if isinstance(leaf, PerReplica) and leaf.devices != resolved:
             path = _tree.flatten_with_paths(tree, "tree")[0][i]
-            spelled = [d for d in leaf.devices if not isinstance(d, torch.device)]
-            if spelled:
-                # Built by hand (rebuilt from a checkpoint of every replica's copy) with devices
-                # spelled as strings: "cpu" != device("cpu"), and the message below would read
-                # "placed on 2 devices (cpu, cpu), not on the 2 devices given (cpu, cpu)".
-                raise TypeError(
-                    f"fdp.device_put_replicated: {path} is a PerReplica whose devices must be "
-                    f"torch.device objects, got {type(spelled[0]).__name__}s: {list(leaf.devices)!r}. "
-                    "Build it as fdp.PerReplica(values, [torch.device(d) for d in devices])"
-                )
+            # (Rebuilt from a checkpoint of every replica's copy, say: the message below would
+            # read "placed on 2 devices (cpu, cpu), not on the 2 devices given (cpu, cpu)".)
+            refuse_spelled_devices(leaf, "fdp.device_put_replicated", path)
             raise ValueError(
                 f"fdp.device_put_replicated: {path} is already placed, on {len(leaf.devices)} "
                 f"devices ({_names(leaf.devices)}), not on the {len(resolved)} devices given "
