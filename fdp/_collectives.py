@@ -289,11 +289,9 @@ class _Packed:
         # torch.autograd.grad beside their loss): every view of the buffer would require grad,
         # hold the loss's graph, and refuse .numpy(). Those that no replica's needs get detached
         # results (see unpack; decided where every replica's leaves are seen, in _exchange).
-        self.grad_free: tuple[int, ...] = ()
         self.detached: frozenset[int] = frozenset()
-        if untransformed and any(
-            len(members) > 1 and buffer.requires_grad for members, buffer in zip(self.members, self.buffers)
-        ):
+        self.grad_free: tuple[int, ...] = ()
+        if untransformed:
             self.grad_free = tuple(
                 k
                 for members, buffer in zip(self.members, self.buffers)
@@ -955,8 +953,10 @@ class _Permute(_Op):
         me, processes = _distributed.rank(), len(group.counts)
         outgoing: list[list[int]] = [[] for _ in range(processes)]  # local sources, by process
         incoming: list[list[int]] = [[] for _ in range(processes)]  # local destinations, by process
+        anywhere = False  # whether any pair crosses between processes (the same in every one)
         for src, dst in self.perm:
             sender, receiver = owner(src), owner(dst)
+            anywhere = anywhere or sender != receiver
             if sender == me and receiver != me:
                 outgoing[receiver].append(src - group.offset)
             elif receiver == me and sender != me:
@@ -967,9 +967,8 @@ class _Permute(_Op):
         rows = (
             torch.stack([_transfer.to_device(b, device) for b in sent]) if sent else buffers[0][None, ...][:0]
         )
-        # Every process works out the same pairs: where none crosses between processes, none
-        # makes the (empty) all_to_all, and they only check that they are all at this ppermute.
-        anywhere = any(owner(src) != owner(dst) for src, dst in self.perm)
+        # Where no pair crosses between processes, no process makes the (empty) all_to_all:
+        # they only check that they are all at this ppermute.
         received = _distributed.send_rows(
             rows,
             [len(p) for p in outgoing],

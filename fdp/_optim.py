@@ -403,6 +403,15 @@ def _refuse_none_gradients(where: str, grads: Tree, params: Tree) -> None:
             )
 
 
+def _refuse_grads_unlike_params(
+    where: str, grads: Tree, params: Tree, spec: optree.PyTreeSpec, params_spec: optree.PyTreeSpec
+) -> NoReturn:
+    """Raises for grads (of structure ``spec``) unlike the params (``params_spec``): naming a
+    None gradient if that is the difference, else writing out both structures."""
+    _refuse_none_gradients(where, grads, params)
+    raise ValueError(f"{where} got params {params_spec} but grads {spec}")
+
+
 def _verify(
     name: str,
     call: str,
@@ -424,10 +433,8 @@ def _verify(
     position, their leaves would pair a parameter with another's gradient or moments, broadcast
     into a new shape, or promote the parameter to the state's dtype, silently (torch.optim
     casts a loaded state to its parameters' dtypes)."""
-    mismatch = _differing(params_spec, spec)
-    if mismatch is not None:
-        _refuse_none_gradients(f"fdp.optim.{name}: {call}", grads, params)
-        raise ValueError(f"fdp.optim.{name}: {call} got params {mismatch[0]} but grads {mismatch[1]}")
+    if not _tree.same_structure(params_spec, spec):
+        _refuse_grads_unlike_params(f"fdp.optim.{name}: {call}", grads, params, spec, params_spec)
     for field, own in zip(fields, specs):
         mismatch = _differing(spec, own)
         if mismatch is not None:
@@ -1232,13 +1239,6 @@ def _refuse_unknown_labels(where: str, transforms: dict[Hashable, Any], labels: 
                 f"{where} got {path} = {_tree.short_repr(label)}, a label with no transformation: "
                 f"transforms has the labels {_tree.short_repr(list(transforms))}"
             )
-
-
-def _refuse_grads_unlike_params(
-    where: str, grads: Tree, params: Tree, spec: optree.PyTreeSpec, params_spec: optree.PyTreeSpec
-) -> NoReturn:
-    _refuse_none_gradients(where, grads, params)
-    raise ValueError(f"{where} got params {params_spec} but grads {spec}")
 
 
 @eager_under_compile
