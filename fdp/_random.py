@@ -12,9 +12,9 @@ into, so dropout inside ``nn.MultiheadAttention``, ``scaled_dot_product_attentio
 ``rrelu``, ``gumbel_softmax``, ``torch.nn.init`` and the rest are all routed. Every op with a
 ``generator`` argument gets the scope's generator for its device; factories without one switch
 to their ``generator`` overload; ``native_dropout`` (which has none) is computed from a
-Bernoulli mask drawn from the scope. Fused attention kernels that draw dropout masks internally
-(flash, memory-efficient, cuDNN) cannot be routed and raise inside a scope when their dropout is
-on.
+Bernoulli mask drawn from the scope; cuDNN's RNN gets a dropout state seeded from it. Fused
+attention kernels that draw dropout masks internally (flash, memory-efficient, cuDNN) and the
+MIOpen and MPS RNN kernels cannot be routed and raise inside a scope when their dropout is on.
 
 The ``k``-th pmapped call made inside a scope (counting from 0) gives replica ``r`` the scope
 ``fold_in(fold_in(seed, k), r)``: like the scope's own draws, successive calls draw anew, and a
@@ -158,6 +158,11 @@ _INTERNAL_DROPOUT = {
     )
     if hasattr(_aten, name)
 }
+# RNN kernels whose dropout between layers draws from a state buffer the kernel advances:
+# cuDNN's comes in as ``dropout_state``, which a scope replaces with one seeded from its
+# generator (see _RngMode.cudnn_rnn); MIOpen's and MPS's keep theirs out of reach, so a scope
+# refuses them with their dropout on (no such machine here to test routing them on).
+_KEPT_STATE_RNN = {getattr(_aten, name) for name in ("miopen_rnn", "_lstm_mps") if hasattr(_aten, name)}
 _RANDOM_OPS_WITHOUT_GENERATOR = {
     "rand",
     "randn",
@@ -211,6 +216,17 @@ class _RngMode(TorchDispatchMode):
                 "global generator, which fdp.rng_scope cannot reach. Inside a scope, use the math "
                 "attention backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH)) or dropout_p=0."
             )
+        if packet is _aten._cudnn_rnn or packet in _KEPT_STATE_RNN:
+            dropout, train = _argument(func, args, kwargs, "dropout"), _argument(func, args, kwargs, "train")
+            if train and dropout > 0:
+                if packet is _aten._cudnn_rnn:
+                    return self.cudnn_rnn(func, args, kwargs, dropout)
+                raise NotImplementedError(
+                    f"{packet.__name__} (an RNN's dropout between layers, dropout={dropout}) draws "
+                    "its masks from a state the kernel keeps, which fdp.rng_scope cannot reach. "
+                    "Inside a scope, run the RNN one layer at a time with nn.Dropout between the "
+                    "layers, or with dropout=0."
+                )
         slot = _generator_slot(func)
         if slot is None and packet.__name__ in _RANDOM_OPS_WITHOUT_GENERATOR:
             overload = _generator_overload(func)
@@ -225,6 +241,28 @@ class _RngMode(TorchDispatchMode):
                 kwargs["generator"] = self.generator(_device_of(args, kwargs))
         return func(*args, **kwargs)
 
+    def cudnn_rnn(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dropout: float) -> Any:
+        """cuDNN's RNN with its dropout state seeded from the scope.
+
+        cuDNN draws the masks between layers from ``dropout_state``, an RNG state that the
+        kernel advances; torch passes one per device, seeded once from the global generator
+        (and again after ``torch.manual_seed``). A fresh one seeded from a draw of the scope's
+        generator makes the masks follow the scope. The draw is read on the host, as torch
+        reads its own seed: one synchronisation per call. The backward replays the masks
+        from the reserve space that the forward returns, not from the state.
+        """
+        device = args[0].device
+        seed = int(
+            torch.empty((), dtype=torch.int64, device=device).random_(generator=self.generator(device))
+        )
+        state = torch._cudnn_init_dropout_state(dropout, True, seed, dtype=torch.uint8, device=device)
+        position = _position(func, "dropout_state")
+        if len(args) > position:
+            args = (*args[:position], state, *args[position + 1 :])
+        else:
+            kwargs["dropout_state"] = state
+        return func(*args, **kwargs)
+
     def native_dropout(
         self, input: torch.Tensor, p: float, train: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +271,18 @@ class _RngMode(TorchDispatchMode):
         mask = torch.empty_like(input).bernoulli_(1.0 - p, generator=self.generator(input.device)).bool()
         scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
         return input * mask * scale, mask
+
+
+@functools.cache
+def _position(op: Any, name: str) -> int:
+    """Where ``op``'s argument ``name`` is."""
+    return [a.name for a in op._schema.arguments].index(name)
+
+
+def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The value passed for ``func``'s argument ``name`` (one without a default)."""
+    position = _position(func, name)
+    return args[position] if len(args) > position else kwargs[name]
 
 
 def _dropout_p(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:

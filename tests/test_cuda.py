@@ -99,6 +99,52 @@ def test_lstm_on_two_replicas_of_one_gpu() -> None:
     torch.testing.assert_close(h, eh, atol=1e-5, rtol=1e-4)
 
 
+def test_lstm_dropout_between_layers_draws_from_the_scope() -> None:
+    # cuDNN draws the masks between an RNN's layers from a state it keeps, seeded from the
+    # global generator: inside fdp.rng_scope it gets a state seeded from the scope.
+    lstm = nn.LSTM(16, 32, num_layers=3, dropout=0.5).cuda()
+    x = torch.randn(5, 4, 16, device="cuda")
+
+    def run(seed: int) -> torch.Tensor:
+        with fdp.rng_scope(seed):
+            return lstm(x)[0]
+
+    first = run(1)
+    torch.manual_seed(5)  # the global generators play no part
+    assert torch.equal(run(1), first) and not torch.equal(run(2), first)
+    with fdp.rng_scope(1):
+        assert torch.equal(lstm(x)[0], first) and not torch.equal(lstm(x)[0], first)  # draws anew
+    with torch.no_grad():
+        assert not torch.equal(lstm.eval()(x)[0], first)  # the dropout was on
+    lstm.train()
+
+    def replica(x: torch.Tensor) -> torch.Tensor:
+        with fdp.rng_scope(fdp.replica_seed(3, "i")):
+            return lstm(x)[0]
+
+    mapped = fdp.pmap(replica, axis_name="i", devices=TWO_ON_ONE, in_axes=1, out_axes=1)
+    out = mapped(x.repeat(1, 2, 1))
+    assert torch.equal(mapped(x.repeat(1, 2, 1)), out)
+    assert not torch.equal(out[:, :4], out[:, 4:])  # the replicas draw differently
+
+
+def test_lstm_dropout_in_the_scope_has_the_gradient_of_its_masks() -> None:
+    # The backward replays the forward's masks: gradcheck evaluates the function many times,
+    # each in the same scope, so with the same masks.
+    lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5).cuda().double()
+    x = torch.randn(5, 2, 3, device="cuda", dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with fdp.rng_scope(3):
+            return lstm(x)[0]
+
+    with torch.no_grad():
+        without_dropout = lstm.eval()(x)[0]
+    lstm.train()
+    assert not torch.equal(f(x), without_dropout)
+    assert torch.autograd.gradcheck(f, (x,))
+
+
 def test_workers_run_on_their_own_streams() -> None:
     seen: list[tuple[str, int]] = []
     lock = threading.Lock()

@@ -218,6 +218,33 @@ def test_fused_attention_kernels_with_internal_dropout_refuse(kernel: str) -> No
         _INTERNAL_DROPOUT_CALLS[kernel]()
 
 
+_H = torch.zeros(2, 1, 3)
+# An RNN's dropout between layers on MIOpen and MPS, which draws from a state the kernel keeps:
+# refused by the scope before any kernel runs, so they are reached with CPU tensors.
+_KEPT_STATE_RNN_CALLS = {
+    "miopen": lambda dropout, train: torch.ops.aten.miopen_rnn(
+        torch.ones(4, 1, 3), [], 0, _H, _H, 2, 3, 2, False, dropout, train, False, [], None
+    ),
+    "mps": lambda dropout, train: torch.ops.aten._lstm_mps(
+        torch.ones(4, 1, 3), [_H, _H], [], True, 2, dropout, train, False, False
+    ),
+}
+
+
+@pytest.mark.parametrize("kernel", list(_KEPT_STATE_RNN_CALLS))
+def test_rnn_kernels_that_keep_their_dropout_state_refuse(kernel: str) -> None:
+    with (
+        fdp.rng_scope(0),
+        pytest.raises(NotImplementedError, match=r"an RNN's dropout between layers, dropout=0\.5"),
+    ):
+        _KEPT_STATE_RNN_CALLS[kernel](0.5, True)
+    # Without dropout, or in eval mode, the scope lets the kernel run (here: it has none for
+    # the CPU).
+    for dropout, train in ((0.0, True), (0.5, False)):
+        with fdp.rng_scope(0), pytest.raises(NotImplementedError, match="CPU"):
+            _KEPT_STATE_RNN_CALLS[kernel](dropout, train)
+
+
 def test_draws_repeat_across_processes() -> None:
     script = (
         "import torch, fdp\n"

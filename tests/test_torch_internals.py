@@ -71,8 +71,9 @@ INTERNALS: dict[str, str] = {
     "torch._dynamo.eval_frame.OptimizedModule": "a torch.compile'd module is refused",
     "torch._dynamo.error_on_graph_break": "fdp.functional_call traced in one piece",
     # _random: fdp.rng_scope.
+    "torch._cudnn_init_dropout_state": "a cuDNN RNN dropout state seeded from the scope",
     "torch.utils._python_dispatch.TorchDispatchMode": "the scope's mode (at import)",
-    "torch.ops.aten.rand.default._schema": "an op's generator and dropout_p arguments",
+    "torch.ops.aten.rand.default._schema": "an op's generator, dropout_p, dropout, train, dropout_state",
     # _optim: the transforms' arithmetic, over all leaves at once.
     **{
         f"torch._foreach_{op}": "fdp.optim's updates"
@@ -301,7 +302,7 @@ def test_optrees_registry_is_a_dict_of_registrations() -> None:
 
 # Ops tagged nondeterministic_seeded that take no generator, and that fdp.rng_scope neither
 # routes nor refuses, with why. A new torch's new seeded op fails the test below until it is
-# routed, refused (fdp._random._INTERNAL_DROPOUT) or listed here.
+# routed, refused (fdp._random._INTERNAL_DROPOUT, _KEPT_STATE_RNN) or listed here.
 NOT_ROUTED = {
     "_fused_sdp_choice": "picks a backend, draws nothing",
     "_fill_mem_eff_dropout_mask_": "takes its seed and offset as arguments",
@@ -312,12 +313,8 @@ NOT_ROUTED = {
     "_cudnn_attention_backward": "backward",
     "_scaled_dot_product_cudnn_attention_backward": "backward",
     "_scaled_dot_product_efficient_attention_backward": "backward",
-    # Not routed, not refused: an RNN's dropout between layers on CUDA, ROCm and MPS draws from
-    # state these kernels keep (documented gap: a GPU is needed to test a refusal).
-    "_cudnn_rnn": "cuDNN RNN dropout",
-    "_cudnn_init_dropout_state": "cuDNN RNN dropout",
-    "miopen_rnn": "MIOpen RNN dropout",
-    "_lstm_mps": "MPS LSTM dropout",
+    # The state that the scope builds for _cudnn_rnn, from a seed it draws.
+    "_cudnn_init_dropout_state": "takes its seed as an argument",
 }
 
 
@@ -338,10 +335,11 @@ def test_every_seeded_op_is_routed_refused_or_accounted_for() -> None:
     for name, op in sorted(_seeded_ops_without_generator(), key=lambda pair: str(pair[1])):
         if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
             continue  # decomposed before it reaches the scope's mode, which sees what it calls
-        routed = op.overloadpacket is torch.ops.aten.native_dropout or (
+        routed = op.overloadpacket in (torch.ops.aten.native_dropout, torch.ops.aten._cudnn_rnn) or (
             name in _random._RANDOM_OPS_WITHOUT_GENERATOR and _random._generator_overload(op) is not None
         )
-        if not (routed or op.overloadpacket in _random._INTERNAL_DROPOUT or name in NOT_ROUTED):
+        refused = op.overloadpacket in _random._INTERNAL_DROPOUT | _random._KEPT_STATE_RNN
+        if not (routed or refused or name in NOT_ROUTED):
             unaccounted.append(str(op))
     assert not unaccounted, (
         f"torch {torch.__version__} has seeded ops that fdp.rng_scope neither routes nor refuses: "
@@ -355,6 +353,19 @@ def test_refused_kernels_name_their_dropout_p() -> None:
         for overload in packet.overloads():
             names = [a.name for a in getattr(packet, overload)._schema.arguments]
             assert "dropout_p" in names, f"{packet}.{overload}: {names}"
+
+
+def test_rnn_kernels_name_their_dropout_arguments() -> None:
+    # The scope reads an RNN kernel's dropout and train, and replaces cuDNN's dropout_state, by
+    # name: a kernel that renamed one would fail inside every scope.
+    for packet in {torch.ops.aten._cudnn_rnn} | _random._KEPT_STATE_RNN:
+        for overload in packet.overloads():
+            names = [a.name for a in getattr(packet, overload)._schema.arguments]
+            assert {"dropout", "train"} <= set(names), f"{packet}.{overload}: {names}"
+    for overload in torch.ops.aten._cudnn_rnn.overloads():
+        assert "dropout_state" in [
+            a.name for a in getattr(torch.ops.aten._cudnn_rnn, overload)._schema.arguments
+        ]
 
 
 def test_random_ops_take_their_generator_by_name() -> None:
