@@ -108,12 +108,29 @@ def replica_seed(seed: int, axis_name: Hashable) -> int:
 
 
 @functools.cache
+def _schema_argument(op: Any, name: str) -> tuple[int, Any] | None:
+    """The position and schema entry of ``op``'s argument ``name``, or None if it has none."""
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            return position, argument
+    return None
+
+
+def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The value passed for ``func``'s argument ``name`` (its default where none was passed;
+    None if ``func`` has no such argument)."""
+    found = _schema_argument(func, name)
+    if found is None:
+        return None
+    position, argument = found
+    return args[position] if len(args) > position else kwargs.get(name, argument.default_value)
+
+
+@functools.cache
 def _generator_slot(op: Any) -> tuple[int, bool] | None:
     """(position, keyword-only) of ``op``'s generator argument, or None."""
-    for position, argument in enumerate(op._schema.arguments):
-        if argument.name == "generator":
-            return position, argument.kwarg_only
-    return None
+    found = _schema_argument(op, "generator")
+    return None if found is None else (found[0], found[1].kwarg_only)
 
 
 @functools.cache
@@ -256,7 +273,9 @@ class _RngMode(TorchDispatchMode):
             torch.empty((), dtype=torch.int64, device=device).random_(generator=self.generator(device))
         )
         state = torch._cudnn_init_dropout_state(dropout, True, seed, dtype=torch.uint8, device=device)
-        position = _position(func, "dropout_state")
+        found = _schema_argument(func, "dropout_state")
+        assert found is not None, func  # (tests/test_torch_internals.py checks the name)
+        position = found[0]
         if len(args) > position:
             args = (*args[:position], state, *args[position + 1 :])
         else:
@@ -273,26 +292,8 @@ class _RngMode(TorchDispatchMode):
         return input * mask * scale, mask
 
 
-@functools.cache
-def _position(op: Any, name: str) -> int:
-    """Where ``op``'s argument ``name`` is."""
-    return [a.name for a in op._schema.arguments].index(name)
-
-
-def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The value passed for ``func``'s argument ``name`` (one without a default)."""
-    position = _position(func, name)
-    return args[position] if len(args) > position else kwargs[name]
-
-
 def _dropout_p(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            value = kwargs.get(
-                "dropout_p", args[position] if len(args) > position else argument.default_value
-            )
-            return float(value or 0.0)
-    return 0.0
+    return float(_argument(func, args, kwargs, "dropout_p") or 0.0)
 
 
 class _Active(threading.local):
