@@ -12,6 +12,14 @@ two steps of every variant must leave the parameters the plain step's two leave
 (``max_param_diff``; see ``_harness.same_parameters``). Bandwidth (GB/s) of ``fdp.scatter``
 and ``fdp.replicate`` against a plain copy, each counted by the bytes it moves (see
 :func:`bandwidth`).
+
+With ``--compile``, on one replica, the compiled paths against the plain step compiled as a
+module user would compile it (``torch.compile(model)``): the resident step with
+``torch.func.grad`` and ``pmap(compile=True)``, and with ``compile={"mode":
+"reduce-overhead"}`` (CUDA graphs), each step begun with
+``torch.compiler.cudagraph_mark_step_begin()``. They compile in two warm-up steps; one that
+fails there, or leaves other parameters than the plain step, is reported with its error
+rather than timed.
 """
 
 from __future__ import annotations
@@ -56,10 +64,12 @@ def module_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def steps(kind: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, torch.Tensor]]:
+def steps(
+    kind: str, *, compiled: bool = False
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, torch.Tensor]]:
     """The timed step of every variant, a reader of each variant's parameters (one dict per
     copy it keeps), the variants that failed to run (with the error), and the initial
-    parameters."""
+    parameters. ``compiled``: the compiled variants too (see :func:`compiled_steps`)."""
     model, x, y = make(kind)
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     variants: dict[str, Any] = {}
@@ -112,20 +122,90 @@ def steps(kind: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], di
         legacy = nn.DataParallel(copy.deepcopy(model), device_ids=ids)
         variants[f"nn.DataParallel {ids}"] = module_step(legacy, x, y)
         readers[f"nn.DataParallel {ids}"] = module_params(legacy.module)
+    if compiled:
+        for name, (step, read) in compiled_steps(model, x, y).items():
+            variants[name], readers[name] = step, read
     return variants, readers, unsupported, initial
 
 
+def compiled_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """The compiled variants on one replica, each a step and a reader of its parameters: the
+    plain module step on ``torch.compile(model)``, and the resident ``torch.func`` step with
+    ``pmap(compile=...)``, by inductor and with CUDA graphs ("reduce-overhead")."""
+    plain = copy.deepcopy(model)
+    out: dict[str, Any] = {
+        "plain cuda:0, torch.compile": (
+            module_step(torch.compile(plain), x, y),
+            lambda: [dict(plain.named_parameters())],
+        )
+    }
+    opt = optim.sgd(0.01)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fdp.functional_call(model, p, (x,)), y)
+
+    for label, options in (("compile=True", True), ("reduce-overhead", {"mode": "reduce-overhead"})):
+
+        @fdp.pmap(axis_name="b", devices=["cuda:0"], out_axes=fdp.PER_REPLICA, compile=options)
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+            grads = fdp.pmean(torch.func.grad(loss_fn)(state["params"], x, y), "b", weight=x.shape[0])
+            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": new_params, "opt": opt_state}
+
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        box = {"state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, ["cuda:0"])}
+
+        def resident(step: Any = step, box: dict[str, Any] = box) -> None:
+            # CUDA graphs: a new iteration, whose replay may overwrite the last one's outputs
+            # (the old state, dropped here).
+            torch.compiler.cudagraph_mark_step_begin()
+            box["state"] = step(box["state"], x, y)
+
+        def read(box: dict[str, Any] = box) -> list[dict[str, torch.Tensor]]:
+            return [{k: v[0].clone() for k, v in box["state"]["params"].items()}]
+
+        out[f"fdp resident torch.func, {label}"] = (resident, read)
+    return out
+
+
 def check(
-    variants: dict[str, Any], readers: dict[str, Any], initial: dict[str, torch.Tensor]
+    variants: dict[str, Any],
+    readers: dict[str, Any],
+    initial: dict[str, torch.Tensor],
+    unsupported: dict[str, str],
 ) -> dict[str, float]:
-    """Two steps of every variant, then the same parameters in every copy of every variant."""
-    for fn in variants.values():
-        for _ in range(2):
-            fn()
-    torch.cuda.synchronize()
-    return same_parameters(
-        {n: read() for n, read in readers.items()}, baseline="plain cuda:0", initial=initial
-    )
+    """Two steps of every variant, then the same parameters in every copy of every variant.
+
+    A compiled variant (named with "compile" or "reduce-overhead") that fails in its steps or
+    its comparison is moved from ``variants`` to ``unsupported``, with its error: where
+    compilation fails, the other variants are still timed.
+    """
+    for name, fn in list(variants.items()):
+        try:
+            for _ in range(2):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as err:
+            if not _compiled(name):
+                raise
+            _refused(name, err, variants, unsupported)
+    for name in [n for n in variants if _compiled(n)]:
+        try:
+            same_parameters(
+                {n: readers[n]() for n in ("plain cuda:0", name)}, baseline="plain cuda:0", initial=initial
+            )
+        except Exception as err:  # noqa: BLE001 - reported in the table instead of timed
+            _refused(name, err, variants, unsupported)
+    return same_parameters({n: readers[n]() for n in variants}, baseline="plain cuda:0", initial=initial)
+
+
+def _compiled(name: str) -> bool:
+    return "compile" in name or "reduce-overhead" in name
+
+
+def _refused(name: str, err: BaseException, variants: dict[str, Any], unsupported: dict[str, str]) -> None:
+    del variants[name]
+    unsupported[name] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
 def moved_bytes(result: Any, source: torch.Tensor) -> int:
@@ -183,13 +263,14 @@ def bandwidth(rounds: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = arguments(__doc__, rounds=9)
+    parser.add_argument("--compile", action="store_true", help="add the compiled variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")
     rows = []
     for kind in ("mlp", "transformer"):
-        variants, readers, unsupported, initial = steps(kind)
-        differences = check(variants, readers, initial)
+        variants, readers, unsupported, initial = steps(kind, compiled=args.compile)
+        differences = check(variants, readers, initial, unsupported)
         times = interleaved(variants, calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
         issued = issue_times(variants, calls=10, rounds=args.rounds, sync=torch.cuda.synchronize)
         base = times["plain cuda:0"]

@@ -119,8 +119,14 @@ def test_gpu_script_says_it_needs_cuda() -> None:
 
 @pytest.mark.cuda
 def test_gpu_script_runs(tmp_path: Path) -> None:
-    payload = run_script("gpu", "--rounds", "1", tmp_path=tmp_path)
-    assert {row["variant"] for row in payload["steps"]} >= {"plain cuda:0", "fdp resident ['cuda:0']"}
+    payload = run_script("gpu", "--rounds", "1", "--compile", tmp_path=tmp_path)
+    assert {row["variant"] for row in payload["steps"]} >= {
+        "plain cuda:0",
+        "fdp resident ['cuda:0']",
+        "plain cuda:0, torch.compile",
+        "fdp resident torch.func, compile=True",
+        "fdp resident torch.func, reduce-overhead",  # timed, or a row with its error
+    }
     assert all(row["host_ms_per_step"] > 0 for row in payload["steps"] if "note" not in row)
     assert all(row["GB_per_s"] > 0 for row in payload["transfers"])
 
@@ -147,6 +153,36 @@ def test_gpu_transfers_count_the_bytes_they_move(monkeypatch: pytest.MonkeyPatch
     assert gpu.moved_bytes(fdp.scatter(source, ["cpu", "cpu"]), source) == 0
     assert gpu.moved_bytes(source.clone(), source) == source.nbytes
     assert gpu.moved_bytes([source, source.clone(), source.clone()], source) == 2 * source.nbytes
+
+
+def test_gpu_check_reports_a_failing_compiled_variant_instead_of_timing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where compiling fails on a GPU (CUDA graphs, say), the GPU script still times the other
+    variants and reports that one's error; a compiled step that computes something else is
+    reported alike, and a failure of an eager variant stops the run."""
+    gpu = load_script("gpu", monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def fails() -> None:
+        raise RuntimeError("no graph for you\nsecond line")
+
+    initial, moved, other = {"w": torch.zeros(2)}, {"w": torch.ones(2)}, {"w": torch.full((2,), 2.0)}
+    variants = {"plain cuda:0": lambda: None, "a, reduce-overhead": fails, "b, compile=True": lambda: None}
+    readers = {
+        "plain cuda:0": lambda: [moved],
+        "a, reduce-overhead": lambda: [moved],
+        "b, compile=True": lambda: [other],
+    }
+    unsupported: dict[str, str] = {}
+    assert gpu.check(variants, readers, initial, unsupported) == {"plain cuda:0": 0.0}
+    assert list(variants) == ["plain cuda:0"]
+    assert unsupported["a, reduce-overhead"] == "RuntimeError: no graph for you"
+    assert unsupported["b, compile=True"].startswith(
+        "AssertionError: b, compile=True, w: Tensor-likes are not close"
+    )
+    with pytest.raises(RuntimeError, match="no graph"):
+        gpu.check({"plain cuda:0": fails}, readers, initial, {})
 
 
 def test_same_parameters_refuses_a_variant_that_computes_something_else(
