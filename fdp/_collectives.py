@@ -223,7 +223,8 @@ class _Packed:
                     f"{type(leaf).__name__}: {leaf!r}"
                 )
             groups.setdefault((leaf.device, leaf.dtype), []).append(k)
-        if numbers != "as_is" and not _QUANTIZED.isdisjoint([dtype for _, dtype in groups]):
+        quantized = not _QUANTIZED.isdisjoint([dtype for _, dtype in groups])  # (rare: tested once)
+        if numbers != "as_is" and quantized:
             # Checked once per dtype, not per leaf. A sum or extreme of quantized values has no
             # one scale to hold it: torch's kernels refuse them ("Could not run 'aten::add.out'
             # with arguments from the 'QuantizedCPU' backend"), on several replicas only, and
@@ -251,7 +252,7 @@ class _Packed:
         # packed behind one of scale 0.1 came back clipped (200 as 25.5), silently. (Checked
         # once per dtype, not per leaf.)
         self.quantization: tuple[tuple[int, float, int], ...] = ()
-        if not _QUANTIZED.isdisjoint([key[1] for key in groups]):
+        if quantized:
             groups, self.quantization = self._quantized_apart(groups, caller)
         self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
@@ -264,11 +265,13 @@ class _Packed:
         try:
             for b, members in enumerate(self.members):
                 offset = 0
+                whole = True
                 for k in members:
                     numel = self.leaves[k].numel() if rows is None else self.leaves[k].numel() // rows
                     self.slots[k] = (b, offset, numel)
                     offset += numel
-                self.whole.append(all([self.slots[k][2] for k in members]))
+                    whole = whole and numel > 0
+                self.whole.append(whole)
                 if rows is not None:
                     # (An explicit column count: reshape cannot infer it for an empty leaf.)
                     matrices = [self.leaves[k].reshape(rows, self.slots[k][2]) for k in members]
