@@ -13,7 +13,8 @@ start and join of one thread, which ``nn.DataParallel`` pays per extra replica p
 Last, a training step of about 1 ms (forward and ``torch.autograd.grad`` of a small MLP) called
 directly and pmapped on one CPU replica; the same model's functional training step (with
 an SGD update) called directly on plain state and pmapped on one replica with resident state,
-as a training loop runs it, without and with a ``pmean`` of the gradients; and its module
+as a training loop runs it, without and with a ``pmean`` of the gradients (also donated,
+``donate=True``); and its module
 training step (forward, ``backward()``, ``torch.optim.SGD``) on the plain module and through
 ``fdp.DataParallel`` on one CPU device. ``nn.DataParallel`` has no row of its own: without CUDA
 (or with one device) it calls the module directly, which is the plain row.
@@ -130,7 +131,8 @@ def resident_step_rows(rounds: int) -> list[dict[str, Any]]:
     called directly on plain state, and pmapped on 1 replica with resident state: the
     one-replica path of a training loop (the GPU target's). Pmapped also with a ``pmean`` of
     the gradients, which a direct call has no counterpart of: on one replica it hands back a
-    private copy of them (one pass over the gradients' memory)."""
+    private copy of them (one pass over the gradients' memory), or with ``donate=True`` the
+    gradients themselves."""
     model = small_mlp()
     opt = optim.sgd(0.01)
     x = torch.randn(64, 320)
@@ -146,6 +148,9 @@ def resident_step_rows(rounds: int) -> list[dict[str, Any]]:
 
     def pmeaned(state: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
         return update(state, x, lambda g: fdp.pmean(g, "b", weight=x.shape[0]))
+
+    def donated(state: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+        return update(state, x, lambda g: fdp.pmean(g, "b", weight=x.shape[0], donate=True))
 
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     boxes = {"plain": {"params": params, "opt": opt.init(params)}}
@@ -166,11 +171,13 @@ def resident_step_rows(rounds: int) -> list[dict[str, Any]]:
         "direct": direct,
         "1 replicas": resident(update, "resident"),
         "1 replicas, pmean": resident(pmeaned, "pmean", axis_name="b"),
+        "1 replicas, pmean donated": resident(donated, "donated", axis_name="b"),
     }
     read = {
         "direct": lambda: [boxes["plain"]["params"]],
         "1 replicas": lambda: [{k: v[0] for k, v in boxes["resident"]["params"].items()}],
         "1 replicas, pmean": lambda: [{k: v[0] for k, v in boxes["pmean"]["params"].items()}],
+        "1 replicas, pmean donated": lambda: [{k: v[0] for k, v in boxes["donated"]["params"].items()}],
     }
     return against_direct("~1 ms resident step", checked(variants, read, params), rounds)
 

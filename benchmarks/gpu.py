@@ -5,7 +5,8 @@
 Needs a CUDA device. Step time (ms) for one training step of an MLP and a small transformer, and
 the host's time to issue it (from the call to its return, the GPU idle before it), on:
 the plain module on ``cuda:0``; ``fdp.pmap`` with resident state and ``fdp.DataParallel`` on
-``["cuda:0"]``, on two replicas of ``cuda:0`` and on every GPU when there are several;
+``["cuda:0"]``, on two replicas of ``cuda:0`` and on every GPU when there are several (on
+``["cuda:0"]`` also with the gradients donated to the ``pmean``, ``donate=True``);
 ``nn.DataParallel`` on ``[0]``, on ``[0, 0]`` (reported as unsupported, with torch's error, if
 this torch refuses a device twice) and on every GPU when there are several. Before the timing,
 two steps of every variant must leave the parameters the plain step's two leave
@@ -87,26 +88,32 @@ def steps(
     for devices in (["cuda:0"], ["cuda:0", "cuda:0"], *([gpus] if len(gpus) > 1 else [])):
         params = {k: v.detach() for k, v in model.named_parameters()}
 
-        @fdp.pmap(axis_name="b", devices=devices, split="balanced", out_axes=fdp.PER_REPLICA)
-        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-            leaves = {k: v.requires_grad_() for k, v in state["params"].items()}
-            loss = F.cross_entropy(fdp.functional_call(model, leaves, (x,)), y)
-            grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-            grads = fdp.pmean(grads, "b", weight=x.shape[0])
-            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
-            return {"params": new_params, "opt": opt_state}
+        # On one replica also with the gradients donated to the pmean (its copy skipped).
+        for donate in (False, True) if len(devices) == 1 else (False,):
 
-        box = {"state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, devices)}
+            @fdp.pmap(axis_name="b", devices=devices, split="balanced", out_axes=fdp.PER_REPLICA)
+            def step(
+                state: dict[str, Any], x: torch.Tensor, y: torch.Tensor, donate: bool = donate
+            ) -> dict[str, Any]:
+                leaves = {k: v.requires_grad_() for k, v in state["params"].items()}
+                loss = F.cross_entropy(fdp.functional_call(model, leaves, (x,)), y)
+                grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+                grads = fdp.pmean(grads, "b", weight=x.shape[0], donate=donate)
+                new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+                return {"params": new_params, "opt": opt_state}
 
-        def resident(step: Any = step, box: dict[str, Any] = box) -> None:
-            box["state"] = step(box["state"], x, y)
+            box = {"state": fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, devices)}
 
-        def resident_params(
-            box: dict[str, Any] = box, n: int = len(devices)
-        ) -> list[dict[str, torch.Tensor]]:
-            return [{k: v[r] for k, v in box["state"]["params"].items()} for r in range(n)]
+            def resident(step: Any = step, box: dict[str, Any] = box) -> None:
+                box["state"] = step(box["state"], x, y)
 
-        variants[f"fdp resident {devices}"], readers[f"fdp resident {devices}"] = resident, resident_params
+            def resident_params(
+                box: dict[str, Any] = box, n: int = len(devices)
+            ) -> list[dict[str, torch.Tensor]]:
+                return [{k: v[r] for k, v in box["state"]["params"].items()} for r in range(n)]
+
+            name = f"fdp resident {devices}" + (", donated" if donate else "")
+            variants[name], readers[name] = resident, resident_params
 
         wrapped = fdp.DataParallel(copy.deepcopy(model), device_ids=devices)
         variants[f"fdp.DataParallel {devices}"] = module_step(wrapped, x, y)

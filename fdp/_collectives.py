@@ -8,8 +8,8 @@ Every collective takes a pytree. Its tensor leaves are coalesced into one flat b
 process are the exception: there each replica adds the (private) buffers itself after the
 exchange, in parallel with the others (``_Op.combine_each``). A lone replica in one process
 meets no one: its sum, mean, maximum or minimum is a private copy of its value, made at once
-(``_Op.keeps_lone_value``). On CUDA the replicas' streams are ordered around the combine
-(``_streams``).
+(``_Op.keeps_lone_value``), or the value itself where the caller gave it up
+(``donate=True``). On CUDA the replicas' streams are ordered around the combine (``_streams``).
 
 Differentiation, two ways:
 
@@ -151,6 +151,10 @@ class _Packed:
     row per replica), each buffer is a matrix of ``rows`` rows, the leaves side by side: row
     ``j`` holds what goes to replica ``j``, so that the op hands out rows of one tensor. Slots
     then count columns.
+
+    With ``donated`` (a lone replica's value that its caller gave up: see :func:`_run`), the
+    leaves are checked as always but packed only where they are not what packing would hand
+    back (see :func:`_kept_as_they_are`); ``self.donated`` says whether they are the result.
     """
 
     __slots__ = (
@@ -166,6 +170,7 @@ class _Packed:
         "quantization",
         "grad_free",
         "detached",
+        "donated",
     )
 
     def __init__(
@@ -177,6 +182,7 @@ class _Packed:
         *,
         rows: int | None = None,
         given: Sequence[Any] | None = None,
+        donated: bool = False,
     ) -> None:
         leaves, treespec = _tree.flatten(tree)
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
@@ -254,7 +260,6 @@ class _Packed:
         self.quantization: tuple[tuple[int, float, int], ...] = ()
         if quantized:
             groups, self.quantization = self._quantized_apart(groups, caller)
-        self.members = list(groups.values())  # the leaves of buffer b, in order
         # slots[k] = (buffer number, offset, numel) for tensor leaf k
         self.slots: dict[int, tuple[int, int, int]] = {}
         self.buffers: list[torch.Tensor] = []
@@ -262,6 +267,13 @@ class _Packed:
         # Whether buffer b holds no empty leaf: unflatten_dense_tensors gives an empty leaf a
         # new tensor, not a view of the buffer, which would cut it from autograd.
         self.whole: list[bool] = []
+        self.detached: frozenset[int] = frozenset()
+        self.grad_free: tuple[int, ...] = ()
+        self.donated = donated and _kept_as_they_are(self.leaves)
+        if self.donated:  # nothing to pack: the leaves are the result
+            self.members: list[list[int]] = []
+            return
+        self.members = list(groups.values())  # the leaves of buffer b, in order
         try:
             for b, members in enumerate(self.members):
                 offset = 0
@@ -292,8 +304,6 @@ class _Packed:
         # torch.autograd.grad beside their loss): every view of the buffer would require grad,
         # hold the loss's graph, and refuse .numpy(). Those that no replica's needs get detached
         # results (see unpack; decided where every replica's leaves are seen, in _exchange).
-        self.detached: frozenset[int] = frozenset()
-        self.grad_free: tuple[int, ...] = ()
         if untransformed:
             self.grad_free = tuple(
                 k
@@ -371,8 +381,11 @@ class _Packed:
         """The tree rebuilt from result buffers laid out like this one's.
 
         ``leaf_result(leaf, piece)`` turns each leaf's flat piece into its result (default: the
-        piece in the leaf's shape).
+        piece in the leaf's shape). Donated leaves (``self.donated``) are their own results:
+        ``buffers`` are then the leaves.
         """
+        if self.donated:
+            return _tree.unflatten(self.treespec, list(buffers))
         out = list(self.leaves)
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
         for b, members in enumerate(self.members):
@@ -401,6 +414,18 @@ def _combinable(device: torch.device, dtype: torch.dtype, numbers: str) -> bool:
         torch.stack([probe, probe]).amax(0) if numbers == "ordered" else probe.add(probe)
     except (RuntimeError, NotImplementedError):
         return False
+    return True
+
+
+def _kept_as_they_are(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether a lone replica's donated leaves (all tensors, numbers made tensors) can be its
+    result as they are: what packing would hand back, dense and contiguous as on several
+    replicas (a sparse or nested leaf is then refused by the packing, naming it, as there), and
+    needing no gradient, so that no backward hook lands on a node of the caller's graph (see
+    :func:`_run`). A plain loop: it runs right after a step's kernels, where each line is cold."""
+    for t in leaves:
+        if t.requires_grad or t.is_nested or t.layout != torch.strided or not t.is_contiguous():
+            return False
     return True
 
 
@@ -570,9 +595,10 @@ class _Op:
         exchange returns, or ``None`` to have :meth:`combine` compute every result at once."""
         return None
 
-    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
+    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any) -> bool:
         """Whether the only replica of ``group`` (in this process) gets the value it passed,
-        with nothing to exchange: then it gets a private copy of it at once."""
+        with nothing to exchange: then it gets a private copy of it at once (or the value
+        itself, donated)."""
         return False
 
 
@@ -663,7 +689,7 @@ class _AllReduce(_Op):
         # keeps_lone_value.)
         return self.reduce == "sum" and not group.distributed and all(d.type == "cpu" for d in group.devices)
 
-    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any, packed: _Packed) -> bool:
+    def keeps_lone_value(self, group: _replica.CallGroup, extra: Any) -> bool:
         # The sum, mean, maximum or minimum of one value is that value; so is its weighted
         # mean, w * x / w, for a positive weight (finite: pmean checks; w / w is exactly 1.0).
         # A weight of 0 takes the exchange, which reports it. (Complex values under pmax/pmin
@@ -1275,14 +1301,23 @@ def _run(
     numbers: str = "as_is",
     rows: int | None = None,
     given: Sequence[Any] | None = None,
+    donate: bool = False,
 ) -> tuple[_Packed, list[torch.Tensor]]:
     """Packs ``tree`` (``numbers``, ``rows``, ``given``: see :class:`_Packed`) and runs ``op``
-    in the mode that fits how the replica differentiates."""
+    in the mode that fits how the replica differentiates. ``donate``: the caller gives the
+    value up (see :func:`psum`); only a lone replica makes use of it."""
     context = _bound(axis_name, op.name)
-    packed = _Packed(tree, op.name, context.device, numbers, rows=rows, given=given)
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    transformed = torch._C._functorch.peek_interpreter_stack() is not None
+    lone = not transformed and context.group.size == 1 and op.keeps_lone_value(context.group, extra)
+    packed = _Packed(tree, op.name, context.device, numbers, rows=rows, given=given, donated=lone and donate)
+    if transformed:
         return packed, list(_Spmd.apply(op, context, extra, packed, *packed.buffers))
-    if context.group.size == 1 and op.keeps_lone_value(context.group, extra, packed):
+    if packed.donated:
+        # The only replica, whose caller gave the value up: the value is the result, with no
+        # copy (which for a step's gradients is a pass over all of them), and needs no gradient
+        # (so no hook, below).
+        return packed, packed.leaves
+    if lone:
         # The only replica: its result is its own value, in memory of its own; no exchange.
         results = packed.private_buffers()
         packed.detached = frozenset(packed.grad_free)
@@ -1313,15 +1348,15 @@ def _run(
 # reduction is a 0-dim tensor); any other tree gives a tree of that structure, whose numbers
 # become tensors (so not of the same type): Any.
 @overload
-def psum(x: torch.Tensor, axis_name: Hashable) -> torch.Tensor: ...
+def psum(x: torch.Tensor, axis_name: Hashable, *, donate: bool = False) -> torch.Tensor: ...
 @overload
-def psum(x: bool | int | float, axis_name: Hashable) -> torch.Tensor: ...
+def psum(x: bool | int | float, axis_name: Hashable, *, donate: bool = False) -> torch.Tensor: ...
 @overload
-def psum(x: Any, axis_name: Hashable) -> Any: ...
+def psum(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any: ...
 
 
 @eager_under_compile
-def psum(x: Any, axis_name: Hashable) -> Any:
+def psum(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """Sums ``x`` over the replicas of ``axis_name``: every replica gets the total.
 
     ``x`` is a pytree of tensors (numbers are taken as 0-dim tensors); every replica must pass
@@ -1331,6 +1366,12 @@ def psum(x: Any, axis_name: Hashable) -> Any:
     Args:
         x: a pytree of tensors.
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        donate: whether the caller gives ``x`` up, as ``jax.jit``'s ``donate_argnums`` gives up
+            a buffer: it will not use ``x``'s tensors again, so the result may share their memory.
+            On a lone replica (one device, outside :mod:`fdp.distributed`) the result then holds
+            those tensors themselves rather than a copy of them, which for a step's gradients
+            saves a pass over all of them (tensors that require grad, or are not contiguous, are
+            still copied). Elsewhere it changes nothing. Default: ``False``.
 
     Returns:
         A tree like ``x`` holding the sums, each leaf on the device of ``x``'s leaf.
@@ -1345,24 +1386,36 @@ def psum(x: Any, axis_name: Hashable) -> Any:
         >>> f(torch.arange(4.0))
         tensor([-6., -5., -4., -3.])
     """
-    packed, results = _run(_AllReduce("sum"), x, axis_name, numbers="count")
+    packed, results = _run(_AllReduce("sum"), x, axis_name, numbers="count", donate=donate)
     return packed.unpack(results)
 
 
 @overload
 def pmean(
-    x: torch.Tensor, axis_name: Hashable, *, weight: float | torch.Tensor | None = None
+    x: torch.Tensor,
+    axis_name: Hashable,
+    *,
+    weight: float | torch.Tensor | None = None,
+    donate: bool = False,
 ) -> torch.Tensor: ...
 @overload
 def pmean(
-    x: bool | int | float, axis_name: Hashable, *, weight: float | torch.Tensor | None = None
+    x: bool | int | float,
+    axis_name: Hashable,
+    *,
+    weight: float | torch.Tensor | None = None,
+    donate: bool = False,
 ) -> torch.Tensor: ...
 @overload
-def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any: ...
+def pmean(
+    x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None, donate: bool = False
+) -> Any: ...
 
 
 @eager_under_compile
-def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None) -> Any:
+def pmean(
+    x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None, donate: bool = False
+) -> Any:
     """Averages ``x`` over the replicas of ``axis_name``, optionally weighted.
 
     With ``weight`` (a number or 0-dim tensor per replica, e.g. the replica's number of rows),
@@ -1380,6 +1433,9 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
             equal weights. A replica of weight 0 is left out, its value unread (a mean over no
             tokens, NaN, does not make the result NaN). For a loss averaged over the tokens
             that count (``ignore_index``), their number. Default: ``None``.
+        donate: whether the caller gives ``x`` up, as a training step gives up its gradients
+            (``grads = fdp.pmean(grads, "i", donate=True)``; see :func:`fdp.psum`). Default:
+            ``False``.
 
     Returns:
         A tree like ``x`` holding the means.
@@ -1393,7 +1449,7 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
         tensor(2.)
     """
     if weight is None:
-        packed, results = _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float")
+        packed, results = _run(_AllReduce("sum", "mean"), x, axis_name, numbers="float", donate=donate)
         return packed.unpack(results)
     # A number, not differentiated (as the row counts it usually is): detached first, so a
     # weight that requires grad does not make torch warn about the conversion.
@@ -1414,20 +1470,22 @@ def pmean(x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = 
     # Finite too: an infinite weight makes every w / sum(w) inf / inf, a silent NaN result.
     if not 0 <= value < math.inf:
         raise ValueError(f"fdp.pmean: weight must be a finite non-negative number, got {weight!r}")
-    packed, results = _run(_AllReduce("sum", "weighted_in"), x, axis_name, value, numbers="float")
+    packed, results = _run(
+        _AllReduce("sum", "weighted_in"), x, axis_name, value, numbers="float", donate=donate
+    )
     return packed.unpack(results)
 
 
 @overload
-def pmax(x: torch.Tensor, axis_name: Hashable) -> torch.Tensor: ...
+def pmax(x: torch.Tensor, axis_name: Hashable, *, donate: bool = False) -> torch.Tensor: ...
 @overload
-def pmax(x: bool | int | float, axis_name: Hashable) -> torch.Tensor: ...
+def pmax(x: bool | int | float, axis_name: Hashable, *, donate: bool = False) -> torch.Tensor: ...
 @overload
-def pmax(x: Any, axis_name: Hashable) -> Any: ...
+def pmax(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any: ...
 
 
 @eager_under_compile
-def pmax(x: Any, axis_name: Hashable) -> Any:
+def pmax(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
     A NaN on any replica gives NaN there, as ``torch.maximum`` does. The gradient goes to every
@@ -1436,6 +1494,7 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
     Args:
         x: a pytree of real tensors (numbers are taken as 0-dim tensors).
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        donate: whether the caller gives ``x`` up (see :func:`fdp.psum`). Default: ``False``.
 
     Returns:
         A tree like ``x`` holding the maximums, each leaf on the device of ``x``'s leaf.
@@ -1451,20 +1510,20 @@ def pmax(x: Any, axis_name: Hashable) -> Any:
         >>> largest(torch.tensor([3.0, 1.0, 2.0]))
         tensor([3., 3., 3.])
     """
-    packed, results = _run(_AllReduce("max"), x, axis_name, numbers="ordered")
+    packed, results = _run(_AllReduce("max"), x, axis_name, numbers="ordered", donate=donate)
     return packed.unpack(results)
 
 
 @overload
-def pmin(x: torch.Tensor, axis_name: Hashable) -> torch.Tensor: ...
+def pmin(x: torch.Tensor, axis_name: Hashable, *, donate: bool = False) -> torch.Tensor: ...
 @overload
-def pmin(x: bool | int | float, axis_name: Hashable) -> torch.Tensor: ...
+def pmin(x: bool | int | float, axis_name: Hashable, *, donate: bool = False) -> torch.Tensor: ...
 @overload
-def pmin(x: Any, axis_name: Hashable) -> Any: ...
+def pmin(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any: ...
 
 
 @eager_under_compile
-def pmin(x: Any, axis_name: Hashable) -> Any:
+def pmin(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
 
     :func:`fdp.pmax` with the minimum: the same arguments, errors, NaN rule (as
@@ -1473,6 +1532,7 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
     Args:
         x: a pytree of real tensors (numbers are taken as 0-dim tensors).
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
+        donate: whether the caller gives ``x`` up (see :func:`fdp.psum`). Default: ``False``.
 
     Examples:
         >>> import torch, fdp
@@ -1480,7 +1540,7 @@ def pmin(x: Any, axis_name: Hashable) -> Any:
         >>> smallest(torch.tensor([3.0, 1.0, 2.0]))
         tensor([1., 1., 1.])
     """
-    packed, results = _run(_AllReduce("min"), x, axis_name, numbers="ordered")
+    packed, results = _run(_AllReduce("min"), x, axis_name, numbers="ordered", donate=donate)
     return packed.unpack(results)
 
 

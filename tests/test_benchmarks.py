@@ -49,6 +49,7 @@ def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
     )
     assert ("~1 ms step", "1 replicas") in measured
     assert ("~1 ms resident step", "1 replicas") in measured
+    assert ("~1 ms resident step", "1 replicas, pmean donated") in measured
     assert ("~1 ms module step", "fdp.DataParallel (1 cpu)") in measured
     assert all(row["us_per_call"] > 0 for row in rows)
 

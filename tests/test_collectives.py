@@ -1495,6 +1495,122 @@ def test_one_replica_result_shares_nothing_with_the_value_even_through_numpy() -
     assert (view == 2).all()
 
 
+def _lone(fn: Callable[..., Any]) -> Any:
+    """``fn`` on a lone CPU replica, its argument not mapped (a row count is)."""
+    mapped = fdp.pmap(lambda x, rows: fn(x), axis_name="i", devices=cpus(1), in_axes=(None, 0), out_axes=None)
+    return lambda x: mapped(x, torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    "reduce",
+    [
+        lambda x: fdp.psum(x, "i", donate=True),
+        lambda x: fdp.pmean(x, "i", donate=True),
+        lambda x: fdp.pmean(x, "i", weight=3, donate=True),
+        lambda x: fdp.pmax(x, "i", donate=True),
+        lambda x: fdp.pmin(x, "i", donate=True),
+    ],
+    ids=["psum", "pmean", "pmean weighted", "pmax", "pmin"],
+)
+def test_one_replica_donated_value_is_its_own_result(reduce: Callable[[Any], Any]) -> None:
+    """A value given up (donate=True) on a lone replica comes back as itself: no copy, where
+    the reductions otherwise copy (see the tests above). Numbers still become tensors."""
+    value = {"w": torch.randn(3, 2), "b": torch.randn(2, dtype=torch.float64), "n": 2.0}
+    seen = {}
+
+    def f(x: Any) -> Any:
+        out = reduce(x)
+        seen.update(same={k: out[k] is x[k] for k in ("w", "b")}, n=out["n"])
+        return out
+
+    _lone(f)(value)
+    assert seen["same"] == {"w": True, "b": True}
+    assert isinstance(seen["n"], torch.Tensor) and seen["n"].item() == 2.0
+    # Not given up, the same call copies.
+    _lone(lambda x: seen.update(copied=reduce.__code__ and fdp.psum(x["w"], "i") is x["w"]))(value)
+    assert seen["copied"] is False
+
+
+def test_one_replica_donation_still_copies_what_packing_changes() -> None:
+    """Donated leaves that require grad, or are not contiguous, come back as without donation:
+    copied (contiguous, as on several replicas), the gradient flowing through; in a tree that
+    holds one, every leaf is packed as usual. A count of booleans is a new int64 tensor."""
+    base = torch.randn(4, 3)
+    w = torch.randn(3, requires_grad=True)
+    seen: dict[str, Any] = {}
+
+    def f(x: Any) -> Any:
+        transposed = fdp.psum(x["t"], "i", donate=True)
+        seen["t"] = (transposed is x["t"], transposed.is_contiguous(), torch.equal(transposed, x["t"]))
+        both = fdp.pmean({"w": x["w"] * 2, "b": x["b"]}, "i", donate=True)
+        seen["b"] = both["b"] is x["b"]
+        counted = fdp.psum(x["t"] > 0, "i", donate=True)
+        seen["count"] = (counted.dtype, torch.equal(counted, (x["t"] > 0).long()))
+        return both["w"]
+
+    out = fdp.pmap(lambda x, rows: f(x), axis_name="i", devices=cpus(1), in_axes=(None, 0), out_axes=None)(
+        {"t": base.t(), "w": w, "b": torch.ones(2)}, torch.zeros(1)
+    )
+    out.sum().backward()
+    assert seen["t"] == (False, True, True)
+    assert seen["b"] is False  # packed beside the leaf that requires grad
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+    assert seen["count"] == (torch.int64, True)
+
+
+def test_one_replica_donation_keeps_every_check() -> None:
+    """What a reduction refuses on several replicas, it refuses donated on one too."""
+    with pytest.raises(TypeError, match=r"fdp.pmean averages floating-point tensors, but x\['n'\]"):
+        _lone(lambda x: fdp.pmean(x, "i", donate=True))({"n": torch.arange(3)})
+    with pytest.raises(TypeError, match=r"fdp.pmax .* but x is .*complex"):
+        _lone(lambda x: fdp.pmax(x, "i", donate=True))(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"fdp.psum takes dense tensors, but x\[0\] is a tensor of layout"):
+        _lone(lambda x: fdp.psum(x, "i", donate=True))([torch.eye(2).to_sparse()])
+    with pytest.raises(ValueError, match="weights sum to 0.0"):
+        _lone(lambda x: fdp.pmean(x, "i", weight=0.0, donate=True))(torch.ones(2))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_donation_changes_nothing_on_several_replicas(n: int) -> None:
+    """Donation is used by a lone replica only: on several, the results are those without it,
+    bit for bit, in memory of their own, and the donated values are left as they were."""
+    x = torch.randn(6, 5)
+
+    def f(x: torch.Tensor, donate: bool) -> Any:
+        value = {"a": x * 1.5, "b": x.sum(0)}
+        before = {k: v.clone() for k, v in value.items()}
+        out = {
+            "sum": fdp.psum(value, "i", donate=donate),
+            "mean": fdp.pmean(value, "i", weight=x.shape[0], donate=donate),
+            "max": fdp.pmax(value["a"], "i", donate=donate),
+        }
+        assert all(torch.equal(value[k], before[k]) for k in value)
+        assert out["sum"]["a"] is not value["a"] and out["mean"]["b"] is not value["b"]
+        return out
+
+    def run(donate: bool) -> Any:
+        return fdp.pmap(f, axis_name="i", devices=cpus(n), in_axes=(0, None), static_argnums=1)(x, donate)
+
+    donated, kept = run(True), run(False)
+    assert optree.tree_all(optree.tree_map(torch.equal, donated, kept, namespace="fdp"))
+
+
+def test_donated_reduction_under_torch_func_on_one_replica() -> None:
+    """Inside torch.func's transforms the reductions have JAX's transposes; donation changes
+    nothing there (the gradient of a donated pmean is as without)."""
+
+    def loss(w: torch.Tensor, x: torch.Tensor, donate: bool) -> torch.Tensor:
+        return fdp.pmean((x * w).sum(), "i", donate=donate)
+
+    x = torch.randn(4, 3)
+    grad = fdp.pmap(
+        torch.func.grad(loss), axis_name="i", devices=cpus(1), in_axes=(None, 0, None), static_argnums=2
+    )
+    donated, kept = grad(torch.ones(3), x, True), grad(torch.ones(3), x, False)
+    torch.testing.assert_close(donated, kept)
+    torch.testing.assert_close(kept, x.sum(0))
+
+
 def test_one_replica_copies_are_contiguous_as_on_several() -> None:
     base = torch.randn(6, 4)
     before = base.clone()
@@ -1558,8 +1674,13 @@ def _nested(layout: torch.layout) -> torch.Tensor:
         return torch.nested.nested_tensor([torch.ones(3, 2), torch.ones(2, 2)], layout=layout)
 
 
-@pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("collective", [fdp.psum, fdp.pmean, fdp.pmax, fdp.all_gather])
+@pytest.mark.parametrize(
+    ("n", "donate", "collective"),
+    [
+        *((n, False, c) for n in (1, 2) for c in (fdp.psum, fdp.pmean, fdp.pmax, fdp.all_gather)),
+        *((1, True, c) for c in (fdp.psum, fdp.pmean, fdp.pmax)),  # all_gather takes no donation
+    ],
+)
 @pytest.mark.parametrize(
     ("make", "what"),
     [
@@ -1571,16 +1692,18 @@ def _nested(layout: torch.layout) -> torch.Tensor:
     ids=["coo", "csr", "nested", "jagged"],
 )
 def test_sparse_and_nested_leaves_are_refused_by_name(
-    n: int, collective: Any, make: Callable[[], torch.Tensor], what: str
+    n: int, donate: bool, collective: Any, make: Callable[[], torch.Tensor], what: str
 ) -> None:
     # torch's errors ("reshape is not implemented for sparse tensors", "unsupported memory format
     # option Contiguous", "Sparse CSR tensors do not have is_contiguous", "For now nested reshape
     # cannot change or infer the implicit batch dimension") named neither the collective nor the
-    # leaf, alone in the tree or beside a dense leaf of the same dtype.
+    # leaf, alone in the tree or beside a dense leaf of the same dtype. A lone replica's donated
+    # value, which is not packed, is refused alike.
     with warnings.catch_warnings():  # sparse CSR support "is in beta state"
         warnings.simplefilter("ignore", UserWarning)
         leaf = make()
-    f = fdp.pmap(lambda x: collective({"d": x, "s": leaf}, "i"), axis_name="i", devices=cpus(n))
+    options = {"donate": True} if donate else {}
+    f = fdp.pmap(lambda x: collective({"d": x, "s": leaf}, "i", **options), axis_name="i", devices=cpus(n))
     name = collective.__name__
     with pytest.raises(TypeError, match=re.escape(f"fdp.{name} takes dense tensors, but x['s'] is {what}")):
         f(torch.ones(n))

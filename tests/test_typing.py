@@ -106,6 +106,9 @@ SNIPPET = textwrap.dedent(
         reveal_type(fdp.psum(x, "i"))  # reveals: Tensor
         reveal_type(fdp.psum(3.0, "i"))  # reveals: Tensor
         reveal_type(fdp.pmean(x, "i", weight=2))  # reveals: Tensor
+        reveal_type(fdp.pmean(x, "i", weight=2, donate=True))  # reveals: Tensor
+        reveal_type(fdp.pmax(x, "i", donate=True))  # reveals: Tensor
+        fdp.psum(x, "i", True)  # error: call-overload
         reveal_type(fdp.psum({"x": x}, "i"))  # reveals: Any
         reveal_type(fdp.pmax(x, "i"))  # reveals: Tensor
         reveal_type(fdp.pmin(1, "i"))  # reveals: Tensor
