@@ -138,7 +138,9 @@ def steps(
 def compiled_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     """The compiled variants on one replica, each a step and a reader of its parameters: the
     plain module step on ``torch.compile(model)``, and the resident ``torch.func`` step with
-    ``pmap(compile=...)``, by inductor and with CUDA graphs ("reduce-overhead")."""
+    ``pmap(compile=...)``, by inductor and with CUDA graphs ("reduce-overhead"), its gradients
+    donated to the ``pmean`` (which runs eagerly between two graphs: donated, the first graph's
+    outputs go to the second as they are)."""
     plain = copy.deepcopy(model)
     out: dict[str, Any] = {
         "plain cuda:0, torch.compile": (
@@ -155,7 +157,8 @@ def compiled_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[s
 
         @fdp.pmap(axis_name="b", devices=["cuda:0"], out_axes=fdp.PER_REPLICA, compile=options)
         def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-            grads = fdp.pmean(torch.func.grad(loss_fn)(state["params"], x, y), "b", weight=x.shape[0])
+            grads = torch.func.grad(loss_fn)(state["params"], x, y)
+            grads = fdp.pmean(grads, "b", weight=x.shape[0], donate=True)
             new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
             return {"params": new_params, "opt": opt_state}
 
