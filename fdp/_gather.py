@@ -510,13 +510,34 @@ def _unmapped(
         ) from err
     if check:
         for r, v in enumerate(values):
-            if r != chosen and not _same_tensor(_transfer.to_device(v, destination), result):
+            if r == chosen:
+                continue
+            other = _transfer.to_device(v, destination)
+            if not _same_tensor(other, result):
                 raise ValueError(
                     f"{caller}: out_axes is None for {path()}, but the replicas disagree: "
-                    f"replica {r} returned {_tree.describe(v)} that differs from replica "
-                    f"{chosen}'s, which is returned"
+                    f"replica {chosen} returned {_tree.describe(result)} (the value returned) but "
+                    f"replica {r} returned {_tree.describe(other)}{_first_difference(result, other)}"
                 )
     return result
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two tensors of one shape and dtype, unequal as :func:`_same_tensor` has it, differ
+    first, with both values there, for a message (nothing for other shapes or dtypes, which
+    their descriptions show)."""
+    try:
+        if a.is_nested or a.layout != torch.strided or a.shape != b.shape or a.dtype != b.dtype:
+            return ""
+        a, b = a.detach(), b.detach()
+        unequal = a != b
+        if a.is_floating_point() or a.is_complex():
+            unequal &= ~(a.isnan() & b.isnan())
+        where = tuple(int(i) for i in unequal.nonzero()[0]) if a.dim() else ()
+        values = f"{a[where].item()!r} vs {b[where].item()!r}"
+    except Exception:  # noqa: BLE001 - a dtype without these ops (quantized, on some devices)
+        return ""
+    return f": {values}" if not where else f", which differ first at {list(where)}: {values}"
 
 
 def gather(

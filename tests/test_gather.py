@@ -214,7 +214,11 @@ def test_checked_unmapped_integer_outputs_that_differ_are_refused() -> None:
         devices=["cpu"] * 2,
         check_unmapped_outputs=True,
     )
-    with pytest.raises(ValueError, match=r"replica 1 returned int64\[1\] that differs from replica 0's"):
+    with pytest.raises(
+        ValueError,
+        match=r"replica 0 returned int64\[1\] \(the value returned\) but replica 1 returned "
+        r"int64\[1\], which differ first at \[0\]: 0 vs 1$",
+    ):
         mapped(torch.ones(4))
 
 

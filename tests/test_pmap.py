@@ -872,6 +872,38 @@ def test_check_unmapped_outputs() -> None:
     torch.testing.assert_close(unchecked(x), torch.tensor(1.0))
 
 
+@pytest.mark.parametrize(
+    ("f", "says"),
+    [
+        # 0-dim: both values
+        (
+            lambda x: x.sum(),
+            r"replica 0 returned float32\[\] \(the value returned\) but replica 1 returned "
+            r"float32\[\]: 1\.0 vs 5\.0",
+        ),
+        # same shape: where they differ first, and both values there
+        (
+            lambda x: torch.stack([x[0] * 0, x[1]]),
+            r"replica 0 returned float32\[2\] \(the value returned\) but "
+            r"replica 1 returned float32\[2\], which differ first at \[1\]: 1\.0 vs 3\.0",
+        ),
+        # another shape: both shapes
+        (
+            lambda x: x[: 2 - fdp.axis_index("i")],
+            r"replica 0 returned float32\[2\] \(the value returned\) but "
+            r"replica 1 returned float32\[1\]$",
+        ),
+    ],
+    ids=["0-dim", "values", "shapes"],
+)
+def test_check_unmapped_outputs_message_names_both_values(f: Any, says: str) -> None:
+    # The message named replica 1's type alone ("differs from replica 0's"): neither what was
+    # returned nor where the two disagree.
+    disagree = fdp.pmap(f, "i", out_axes=None, devices=cpus(3), check_unmapped_outputs=True)
+    with pytest.raises(ValueError, match=r"out_axes is None for output, but the replicas disagree: " + says):
+        disagree(torch.arange(6.0))
+
+
 # --- modules -----------------------------------------------------------------------------------
 
 
