@@ -61,6 +61,16 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shapes, dtypes and values, NaNs in the same places counting as equal."""
+    if a.is_nested or b.is_nested or a.layout != torch.strided or b.layout != torch.strided:
+        # A nested tensor: component by component (one of torch's strided layout has no shape,
+        # and equal jagged ones have shapes of different symbolic sizes); a sparse one, dense
+        # (torch.equal has no sparse kernel).
+        if a.is_nested != b.is_nested or a.layout != b.layout or a.dtype != b.dtype:
+            return False
+        if a.is_nested:
+            parts_a, parts_b = a.unbind(), b.unbind()
+            return len(parts_a) == len(parts_b) and all(map(_same_tensor, parts_a, parts_b))
+        return _same_tensor(a.to_dense(), b.to_dense())
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if torch.equal(a, b):
