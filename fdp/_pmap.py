@@ -510,6 +510,14 @@ class Pmapped(Generic[P, R]):
                 f"Keyword arguments {sorted(keywords)} are not covered by in_axes (they are mapped "
                 "along dim 0): pass the arguments that in_axes describes positionally."
             )
+        if isinstance(spec, tuple) and len(spec) == len(args) - 1 and self._bound_to(args[0]):
+            # A method: bound, its instance is the first positional argument, with an entry of
+            # its own (as in jax.pmap), where one per parameter after self was written.
+            return (
+                f"{self._caller} is a method: its instance is the first positional argument, "
+                f"which in_axes describes too, as in jax.pmap: in_axes={(_axes.BROADCAST, *spec)!r} "
+                "gives every replica all of it"
+            )
         static = {i + len(args) if i < 0 else i for i in self.static_argnums}
         if static and isinstance(spec, tuple) and len(spec) == len(args) - len(static):
             # One entry per argument but the static ones: as in jax.pmap, they have entries too.
@@ -535,6 +543,15 @@ class Pmapped(Generic[P, R]):
                     f"one argument, wrap its specification in a tuple: in_axes={candidate!r}"
                 )
         return None
+
+    def _bound_to(self, first: Any) -> bool:
+        """Whether ``first`` is an instance of a class that holds this function as a method
+        (whose call therefore got it from :meth:`__get__`)."""
+        name = getattr(self, "__name__", None)  # from fn (a module has none)
+        try:
+            return name is not None and getattr(type(first), name, None) is self
+        except Exception:  # noqa: BLE001 - whatever a class's own attribute lookup raises
+            return False
 
     def _call_replica(self, tree: tuple[Any, ...], statics: dict[int, Any]) -> Any:
         args, kwargs = tree[-2], tree[-1] or {}

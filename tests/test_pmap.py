@@ -61,6 +61,30 @@ def test_method_decorator_binds_self() -> None:
     torch.testing.assert_close(Scaler().scale(torch.ones(4)), torch.full((4,), 3.0))
 
 
+@pytest.mark.parametrize("devices", [cpus(1), cpus(2)])
+def test_a_method_whose_in_axes_leaves_out_the_instance_is_told_so(devices: list[str]) -> None:
+    # in_axes describes every positional argument, the bound instance first (as in jax.pmap):
+    # one entry per parameter after self was a bare prefix error, "(2 given)", with no word of
+    # the instance.
+    class Scaler:
+        factor = 3.0
+
+        @fdp.pmap(in_axes=({"x": 0},), devices=devices)
+        def scale(self, batch):
+            return self.factor * batch["x"]
+
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "fdp.pmap(test_a_method_whose_in_axes_leaves_out_the_instance_is_told_so.<locals>."
+            "Scaler.scale) is a method: its instance is the first positional argument, which "
+            "in_axes describes too, as in jax.pmap: in_axes=(None, {'x': 0}) gives every replica "
+            "all of it"
+        ),
+    ):
+        Scaler().scale({"x": torch.ones(4)})
+
+
 def test_a_decorated_method_read_from_its_class_is_the_pmapped_function() -> None:
     class Scaler:
         factor = 3.0
