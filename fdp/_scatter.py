@@ -93,14 +93,17 @@ def scatter_leaves(
                 f"{axis + 1 if axis >= 0 else -axis}, but it is only {ndim}"
                 + (f"; {_keyword_advice([path])}" if _is_keyword(caller, path) else "")
             )
+        if leaf.is_nested or leaf.layout is not _STRIDED:
+            # Refused before any split, so on one replica too, which would otherwise get it
+            # whole and run, where several fail: torch has no split of a sparse tensor ("Could
+            # not run 'aten::as_strided' with arguments from the 'SparseCPU' backend") nor of a
+            # nested one along its batch ("split_with_sizes(): not supported for NestedTensor on
+            # dim=0"), and a nested tensor of the strided layout has no shape ("Internal error:
+            # NestedTensorImpl doesn't support sizes"): messages that name neither the call nor
+            # the argument.
+            raise TypeError(_unsplittable_tensor_message(caller, paths()[k], leaf, axis))
         dim = axis % ndim
-        try:
-            size = leaf.shape[dim]
-        except RuntimeError as err:
-            # A nested tensor of torch's strided layout has no shape: torch's error ("Internal
-            # error: NestedTensorImpl doesn't support sizes. Please file an issue.") names neither
-            # the call nor the argument, and reads as a bug of torch's.
-            raise TypeError(_nested_message(caller, paths()[k], leaf, axis)) from err
+        size = leaf.shape[dim]
         if batch is None:
             batch = size
         elif size != batch:
@@ -155,20 +158,7 @@ def scatter_leaves(
                 rows[r][k] = shard
         except RuntimeError as err:  # NotImplementedError too
             refuse_meta(caller, leaves, [k], paths, run_on, err)
-            if leaf.is_nested:
-                # One of torch's jagged layout, which has a batch size but no split along it
-                # ("split_with_sizes(): not supported for NestedTensor on dim=0"), nor .to_dense().
-                raise TypeError(_nested_message(caller, paths()[k], leaf, user_axes[k])) from err
-            if leaf.layout == torch.strided:
-                raise
-            # A sparse tensor: torch's error ("Could not run 'aten::as_strided' with arguments
-            # from the 'SparseCPU' backend ...") names neither the call nor the argument.
-            raise TypeError(
-                f"{caller}: {paths()[k]} is a tensor of layout {leaf.layout} (type "
-                f"{_tree.describe(leaf)}), which fdp cannot split along axis {user_axes[k]}: "
-                f"{_whole_advice(caller)}, or convert it with .to_dense() to split it "
-                f"({type(err).__name__}: {str(err).split('. ')[0]})"
-            ) from err
+            raise
     shared = []
     _place_replicated(leaves, replicated, rows, run_on, shared, caller, paths)
     if share:
@@ -183,10 +173,17 @@ def _whole_advice(caller: str) -> str:
     return f"to give every replica all of it, {_tree.whole_advice(caller)}"
 
 
-def _nested_message(caller: str, path: str, leaf: torch.Tensor, axis: int) -> str:
-    """Why a nested tensor (of either layout) cannot be split, and what to pass instead. Not a
-    list of its components: a list is a container, whose every tensor fdp would split along
-    the axis (each component's rows, say each image's boxes, over the replicas), not the list."""
+def _unsplittable_tensor_message(caller: str, path: str, leaf: torch.Tensor, axis: int) -> str:
+    """Why a nested or sparse tensor cannot be split, and what to pass instead."""
+    if not leaf.is_nested:
+        return (
+            f"{caller}: {path} is a tensor of layout {leaf.layout} (type {_tree.describe(leaf)}), "
+            f"which fdp cannot split along axis {axis}: {_whole_advice(caller)}, or convert it "
+            "with .to_dense() to split it"
+        )
+    # Not a list of its components: a list is a container, whose every tensor fdp would split
+    # along the axis (each component's rows, say each image's boxes, over the replicas), not
+    # the list.
     return (
         f"{caller}: {path} is a nested tensor (type {_tree.describe(leaf)}), which fdp cannot "
         f"split along axis {axis}: {_whole_advice(caller)}, or pad it into one tensor "
@@ -210,6 +207,8 @@ def packed_sequence_message(caller: str, path: str) -> str:
         f"it, {_tree.whole_advice(caller)}"
     )
 
+
+_STRIDED = torch.strided  # (a singleton: tested with `is`, the cheapest test)
 
 # Leaves that every replica gets as they are, mapped or not (a step count in resident state),
 # told apart with one set lookup.
@@ -258,13 +257,12 @@ def one_replica_row(
             return None
         if axis is broadcast:
             continue
+        if leaf.is_nested or leaf.layout is not _STRIDED:  # an error to report
+            return None
         ndim = leaf.dim()
         if not -ndim <= axis < ndim:
             return None
-        try:
-            size = leaf.shape[axis]
-        except RuntimeError:  # a nested tensor, which has no shape: an error to report
-            return None
+        size = leaf.shape[axis]
         if batch is None:
             batch = size
         elif size != batch:
@@ -285,7 +283,7 @@ def _batch_along_0_on_cpu(leaves: Sequence[Any]) -> int | None:
     batch = None
     try:
         for t in leaves:
-            if type(t) not in tensor_types or not t.is_cpu:
+            if type(t) not in tensor_types or not t.is_cpu or t.layout is not _STRIDED:
                 return None
             shape = t.shape
             if not shape or (batch is not None and shape[0] != batch):

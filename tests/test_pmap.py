@@ -9,6 +9,7 @@ import re
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -379,26 +380,49 @@ def strided_nested() -> torch.Tensor:
         return torch.nested.nested_tensor([torch.arange(3.0), torch.arange(2.0)])
 
 
+def jagged_nested() -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.arange(3.0), torch.arange(2.0)], layout=torch.jagged)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_a_nested_tensor_is_refused_under_an_int_axis_and_passes_whole_under_none(n: int) -> None:
-    # Every path read its shape, which it has none of: "Internal error: NestedTensorImpl doesn't
-    # support sizes. Please file an issue.", naming neither the call nor the argument, alone or
-    # beside a dense tensor, as an input or as one replica's output.
-    nested = strided_nested()
-    message = r"is a nested tensor \(type float32\[nested tensor of 2 components\]\), which fdp cannot split"
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [
+        (strided_nested, r"a nested tensor \(type float32\[nested tensor of 2 components\]\)"),
+        (jagged_nested, r"a nested tensor \(type float32\[2,j\d+\]\)"),
+        (lambda: torch.eye(2).to_sparse(), r"a tensor of layout torch.sparse_coo \(type float32\[2,2\]\)"),
+    ],
+    ids=["nested", "jagged", "sparse"],
+)
+def test_an_unsplittable_tensor_is_refused_under_an_int_axis_and_passes_whole_under_none(
+    n: int, make: Callable[[], torch.Tensor], what: str
+) -> None:
+    # Every path read a strided nested tensor's shape, which it has none of: "Internal error:
+    # NestedTensorImpl doesn't support sizes. Please file an issue.", naming neither the call
+    # nor the argument, alone or beside a dense tensor, as an input or as one replica's output.
+    # A jagged or sparse one ran whole on one device, and failed on several: refused alike.
+    value = make()
+    message = f"is {what}, which fdp cannot split"
     for _ in range(3):  # plans are cached per input structure
         with pytest.raises(TypeError, match=r"args\[0\] " + message + " along axis 0"):
-            fdp.pmap(lambda s: s, devices=cpus(n))(nested)
+            fdp.pmap(lambda s: s, devices=cpus(n))(value)
         with pytest.raises(TypeError, match=r"args\[1\] " + message + " along axis 0"):
-            fdp.pmap(lambda x, s: x, devices=cpus(n))(torch.zeros(4), nested)
+            fdp.pmap(lambda x, s: x, devices=cpus(n))(torch.zeros(4), value)
         with pytest.raises(TypeError, match=r"tree\['s'\] " + message):
-            fdp.scatter({"x": torch.zeros(4), "s": nested}, cpus(n))
-        whole = fdp.pmap(lambda x, s: (x, s.to_padded_tensor(-1.0)), in_axes=(0, None), devices=cpus(n))
-        x, padded = whole(torch.zeros(n), nested)
-        assert torch.equal(padded, torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, -1.0]]).repeat(n, 1))
+            fdp.scatter({"x": torch.zeros(4), "s": value}, cpus(n))
+        with pytest.raises(TypeError, match=r"tree\[0\] " + message):
+            fdp.scatter([value], cpus(n))
+        whole = fdp.pmap(
+            lambda x, s: (x, s.to_padded_tensor(-1.0) if s.is_nested else s.to_dense()),
+            in_axes=(0, None),
+            devices=cpus(n),
+        )
+        x, padded = whole(torch.zeros(n), value)
+        expected = value.to_padded_tensor(-1.0) if value.is_nested else value.to_dense()
+        assert torch.equal(padded, expected.repeat(n, 1))
         if n == 1:  # on one device the output is the replica's own
-            out = fdp.pmap(lambda x, s: s, in_axes=(0, None), devices=cpus(n))(torch.zeros(1), nested)
-            assert out.is_nested and all(map(torch.equal, out.unbind(), nested.unbind()))
+            out = fdp.pmap(lambda x, s: s, in_axes=(0, None), devices=cpus(n))(torch.zeros(1), value)
+            assert out is value
 
 
 # --- nested inputs -----------------------------------------------------------------------------
