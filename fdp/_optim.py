@@ -156,11 +156,17 @@ _ONE_PASS = "_fdp_one_pass"
 def _fused(update: Callable[..., Any]) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]] | None:
     """The one-pass step attached to ``update``, if any. An ``update`` may be any callable,
     including one that takes no attributes (a slotted object): it has none."""
-    return getattr(update, _ONE_PASS, None)
+    attached = getattr(update, _ONE_PASS, None)
+    # Only the function it was attached to: functools.wraps copies a function's __dict__, this
+    # attribute among it, onto a wrapper of the user's, whose changes to the gradients the
+    # wrapped optimizer's one-pass step would skip, silently.
+    if attached is None or attached[0] is not update:
+        return None
+    return attached[1]  # type: ignore[no-any-return]
 
 
 def _attach(update: Callable[..., Any], apply: Callable[[Tree, Any, Tree], tuple[Tree, Any]]) -> None:
-    setattr(update, _ONE_PASS, apply)
+    setattr(update, _ONE_PASS, (update, apply))
 
 
 # step(grads, params, spec, state, buffers, lr) -> (new parameters, new state), on leaf lists;

@@ -486,6 +486,33 @@ def test_transformations_whose_update_cannot_be_hashed_or_weakly_referenced() ->
             torch.testing.assert_close(new, optim.apply_updates(params, updates))
 
 
+def test_apply_gradients_of_an_update_wrapped_with_functools_wraps_runs_the_wrapper() -> None:
+    # functools.wraps copies the wrapped function's __dict__ onto the wrapper, the one-pass step
+    # of fdp's optimizer among it: that step would skip what the wrapper does (here, halve the
+    # gradients), silently, in apply_gradients alone.
+    import functools
+
+    inner = optim.sgd(1.0, momentum=0.9)
+
+    @functools.wraps(inner.update)
+    def halved(grads: Any, state: Any, params: Any = None) -> Any:
+        return inner.update(optree.tree_map(lambda g: 0.5 * g, grads), state, params)
+
+    wrapped = optim.GradientTransformation(inner.init, halved)
+    params = {"w": torch.ones(2)}
+    grads = {"w": torch.ones(2)}
+    for opt in (
+        wrapped,
+        optim.chain(optim.clip_by_global_norm(10.0), wrapped),
+        optim.multi_transform({"mine": wrapped, "other": optim.adam()}, {"w": "mine"}),
+    ):
+        updates, expected_state = opt.update(grads, opt.init(params), params)
+        new, state = opt.apply_gradients(grads, opt.init(params), params)
+        assert new["w"].tolist() == [0.5, 0.5]
+        assert_trees_equal(new, optim.apply_updates(params, updates))
+        assert_trees_equal(state, expected_state)
+
+
 def test_apply_gradients_keeps_the_params_key_order() -> None:
     params = {"a": torch.ones(1), "b": torch.ones(1)}
     grads = {"b": torch.ones(1), "a": torch.ones(1)}  # another key order: the same structure
