@@ -200,7 +200,9 @@ def test_a_sparse_input_returned_per_replica_is_copied() -> None:
     # Outputs are told apart from the inputs by their memory; a sparse tensor has no one
     # storage to compare (torch raises for it), and is told apart by identity.
     sparse = torch.ones(4, 2).to_sparse()
-    out = fdp.pmap(lambda x: (x, x * 2), devices=["cpu"], out_axes=fdp.PER_REPLICA)(sparse)
+    out = fdp.pmap(lambda _, x: (x, x * 2), in_axes=(0, None), devices=["cpu"], out_axes=fdp.PER_REPLICA)(
+        torch.zeros(1), sparse
+    )
     assert out[0][0] is not sparse and torch.equal(out[0][0].to_dense(), torch.ones(4, 2))
     assert torch.equal(out[1][0].to_dense(), torch.full((4, 2), 2.0))
 
