@@ -1306,6 +1306,8 @@ def _run(
     """Packs ``tree`` (``numbers``, ``rows``, ``given``: see :class:`_Packed`) and runs ``op``
     in the mode that fits how the replica differentiates. ``donate``: the caller gives the
     value up (see :func:`psum`); only a lone replica makes use of it."""
+    if donate is not False and donate is not True:
+        _tree.check_flag(donate, f"{op.name}: donate")  # raises, naming the call
     context = _bound(axis_name, op.name)
     transformed = torch._C._functorch.peek_interpreter_stack() is not None
     lone = not transformed and context.group.size == 1 and op.keeps_lone_value(context.group, extra)
@@ -1577,6 +1579,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
     """
     caller = "fdp.all_gather"
     dim = _dim_argument(dim, caller, "dim")
+    tiled = _tree.check_flag(tiled, f"{caller}: tiled")
     context = _bound(axis_name, caller)
     n = context.group.global_size
 
@@ -1727,9 +1730,10 @@ def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = Fal
     """
     caller = "fdp.psum_scatter"
     dim = _dim_argument(dim, caller, "dim")
+    tiled = _tree.check_flag(tiled, f"{caller}: tiled")
     n = _bound(axis_name, caller).group.global_size
     rows, given = _in_rows(x, caller, n, axis_name, dim, tiled, "dim")
-    op = _ReduceScatter(f"dim={dim}", f"tiled={bool(tiled)}")
+    op = _ReduceScatter(f"dim={dim}", f"tiled={tiled}")
     packed, results = _run(op, rows, axis_name, numbers="count", rows=n, given=given)
 
     def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:
@@ -1791,9 +1795,10 @@ def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, 
     caller = "fdp.all_to_all"
     split_dim = _dim_argument(split_dim, caller, "split_dim")
     concat_dim = _dim_argument(concat_dim, caller, "concat_dim")
+    tiled = _tree.check_flag(tiled, f"{caller}: tiled")
     n = _bound(axis_name, caller).group.global_size
     rows, given = _in_rows(x, caller, n, axis_name, split_dim, tiled, "split_dim", concat_dim)
-    op = _AllToAll(f"split_dim={split_dim}", f"concat_dim={concat_dim}", f"tiled={bool(tiled)}")
+    op = _AllToAll(f"split_dim={split_dim}", f"concat_dim={concat_dim}", f"tiled={tiled}")
     packed, results = _run(op, rows, axis_name, rows=n, given=given)
 
     def leaf_result(k: int, piece: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,9 @@ class Pmapped(Generic[P, R]):
                 f"{type(static_argnums).__name__}: {_tree.short_repr(static_argnums)}"
             )
         self.static_argnums = argnums
-        self.check_unmapped_outputs = bool(check_unmapped_outputs)
+        self.check_unmapped_outputs = _tree.check_flag(
+            check_unmapped_outputs, f"{what}: check_unmapped_outputs"
+        )
         self._compile_options = compile
         # For wrappers built on pmap (fdp.DataParallel): how errors name the call and the inputs.
         self.rename_paths: Callable[[str], str] | None = None

@@ -858,6 +858,14 @@ def describe(value: object) -> str:
     return type(value).__name__
 
 
+def check_flag(value: object, what: str) -> bool:
+    """``value`` if it is ``True`` or ``False``; else a TypeError naming ``what`` (the call and
+    the option) and the value: read as a truth value, ``"no"`` or ``"false"`` would be True."""
+    if value is True or value is False:
+        return value
+    raise TypeError(f"{what} must be True or False, got {type(value).__name__}: {short_repr(value)}")
+
+
 def short_repr(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters, for error messages."""
     text = repr(value)

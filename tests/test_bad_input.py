@@ -981,6 +981,27 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"torch.compile rejected compile=\{'bogus': 1\}: .*unexpected keyword argument 'bogus'",
     ),
     (
+        "an option that is True or False given something else",
+        lambda: (),
+        lambda a: pm(lambda x: x, check_unmapped_outputs="no"),
+        TypeError,
+        r"^fdp.pmap\(<lambda>.*\): check_unmapped_outputs must be True or False, got str: 'no'$",
+    ),
+    (
+        "an option that is True or False given something else",
+        lambda: (torch.ones(2, 3),),
+        lambda a: pm(lambda x: fdp.pmean(x, "i", donate="yes"), axis_name="i")(*a),
+        TypeError,
+        r"^fdp.pmean: donate must be True or False, got str: 'yes'\n",
+    ),
+    (
+        "an option that is True or False given something else",
+        lambda: (torch.ones(2, 3),),
+        lambda a: pm(lambda x: fdp.all_gather(x, "i", tiled=1), axis_name="i")(*a),
+        TypeError,
+        r"^fdp.all_gather: tiled must be True or False, got int: 1\n",
+    ),
+    (
         "a `torch.compile`d module where a private copy would run it",
         lambda: (torch.zeros(1, 2),),
         lambda a: fdp.functional_call(nn.Sequential(torch.compile(nn.Linear(2, 2))), {}, a),
