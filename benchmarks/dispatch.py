@@ -208,6 +208,96 @@ def data_parallel_rows(rounds: int) -> list[dict[str, Any]]:
     return against_direct("~1 ms module step", checked(variants, read, initial), rounds)
 
 
+def tiny_transformer() -> torch.nn.Module:
+    """A 4-layer transformer encoder of width 16 (45 modules, 50 tensors) and a linear head: its
+    kernels take microseconds, so its training step is the host's Python and dispatch, as a
+    transformer's step is on a GPU that outpaces its host (see ``gpu.py``)."""
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    return torch.nn.Sequential(encoder, torch.nn.Flatten(), torch.nn.Linear(4 * 16, 10))
+
+
+def host_bound_rows(rounds: int) -> list[dict[str, Any]]:
+    """The tiny transformer's training step, where the host's work is all there is: the plain
+    module step (forward, ``backward()``, ``torch.optim.SGD``), the GPU target's reference; the
+    functional step (``torch.autograd.grad`` and ``fdp.optim.sgd``) called directly with
+    ``torch.func.functional_call`` and with ``fdp.functional_call``; that step pmapped on one
+    replica with resident state and its gradients donated to a ``pmean``; and the module step
+    through ``fdp.DataParallel`` on one CPU."""
+    torch.manual_seed(0)
+    model = tiny_transformer()
+    x, y = torch.randn(4, 4, 16), torch.randint(0, 10, (4,))
+    opt = optim.sgd(0.01)
+    loss_of = torch.nn.functional.cross_entropy
+
+    def module_step(module: torch.nn.Module) -> Any:
+        sgd = torch.optim.SGD(module.parameters(), lr=0.01)
+
+        def run() -> None:
+            sgd.zero_grad()
+            loss_of(module(x), y).backward()
+            sgd.step()
+
+        return run
+
+    def functional_step(call: Any, mean: bool = False) -> Any:
+        def update(state: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+            leaves = {k: v.requires_grad_() for k, v in state["params"].items()}
+            loss = loss_of(call(model, leaves, (x,)), y)
+            grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+            if mean:
+                grads = fdp.pmean(grads, "b", weight=x.shape[0], donate=True)
+            params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": params, "opt": opt_state}
+
+        return update
+
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    plain, wrapped = copy.deepcopy(model), fdp.DataParallel(copy.deepcopy(model), device_ids=["cpu"])
+    boxes = {}
+    for name in ("torch.func", "fdp"):
+        params = {k: v.clone() for k, v in initial.items()}
+        boxes[name] = {"params": params, "opt": opt.init(params)}
+    mapped = fdp.pmap(
+        functional_step(fdp.functional_call, mean=True),
+        devices=["cpu"],
+        out_axes=fdp.PER_REPLICA,
+        axis_name="b",
+    )
+    boxes["resident"] = fdp.device_put_replicated(boxes["fdp"], ["cpu"])
+    steps = {
+        "torch.func": functional_step(torch.func.functional_call),
+        "fdp": functional_step(fdp.functional_call),
+    }
+
+    def direct(name: str) -> Any:
+        def run() -> None:
+            boxes[name] = steps[name](boxes[name], x)
+
+        return run
+
+    def resident() -> None:
+        boxes["resident"] = mapped(boxes["resident"], x)
+
+    variants = {
+        "direct": module_step(plain),
+        "torch.func.functional_call step": direct("torch.func"),
+        "fdp.functional_call step": direct("fdp"),
+        "1 replicas, resident, pmean donated": resident,
+        "fdp.DataParallel (1 cpu)": module_step(wrapped),
+    }
+    read = {
+        "direct": lambda: [dict(plain.named_parameters())],
+        "torch.func.functional_call step": lambda: [boxes["torch.func"]["params"]],
+        "fdp.functional_call step": lambda: [boxes["fdp"]["params"]],
+        "1 replicas, resident, pmean donated": lambda: [
+            {k: v[0] for k, v in boxes["resident"]["params"].items()}
+        ],
+        "fdp.DataParallel (1 cpu)": lambda: [dict(wrapped.module.named_parameters())],
+    }
+    return against_direct("host-bound step", checked(variants, read, initial), rounds)
+
+
 def main() -> None:
     parser = arguments(__doc__, rounds=15)
     args = parser.parse_args()
@@ -244,6 +334,7 @@ def main() -> None:
     rows += training_step_rows(args.rounds)
     rows += resident_step_rows(args.rounds)
     rows += data_parallel_rows(args.rounds)
+    rows += host_bound_rows(args.rounds)
     print(
         table(
             rows,

@@ -89,6 +89,10 @@ class _Skeleton:
         # Each copy's name in the tree (as named_modules gives it), for messages.
         self.names = list(modules)
         self._copy_list = [copy for _, copy in self._pairs]
+        # Each copy's hook dicts of the last call where its original has none (see refresh),
+        # else None; and all those dicts in one list, tested at once (see clear).
+        self._hooks: list[dict[str, dict[Any, Any]] | None] = [None] * len(self._pairs)
+        self._kept_hooks: list[dict[Any, Any]] = []
         # A module that torch.func.functional_call treats in a way of its own never takes the
         # direct swap (see by_path). (Nor does a scripted module: functional_call hands it to
         # torch, which refuses it, and elsewhere refresh fails on its dict wrappers.)
@@ -122,6 +126,11 @@ class _Skeleton:
         for copy in self._copy_list:
             object.__setattr__(copy, "__dict__", {"_parameters": _Released()} if released else {})
         self._made = []
+        # The copies' hook dicts serve the next refresh only while empty: a hook that the call
+        # left there would run in later calls, and could keep the module alive.
+        if any(self._kept_hooks):
+            self._hooks = [None if h is None or any(h.values()) else h for h in self._hooks]
+            self._kept_hooks = [d for h in self._hooks if h is not None for d in h.values()]
 
     def refresh(self) -> bool:
         """Copies the originals' current state in; False if the module tree changed shape.
@@ -137,7 +146,8 @@ class _Skeleton:
         tensors_met: list[dict[str, Any]] = []  # their parameter and buffer dicts, in order
         states: list[dict[str, Any]] = []  # the copies' new attribute dicts, in order
         made: list[Any] = []  # the values made for them that reach the copies (see references)
-        for ref, copy in self._pairs:
+        renewed = False  # whether a copy's hook dicts were made anew (see clear)
+        for index, (ref, copy) in enumerate(self._pairs):
             original = ref()
             if original is None:
                 states.append({})  # (its copy is in no walk; the attribute check starts over)
@@ -148,9 +158,18 @@ class _Skeleton:
             # Hook dicts of its own, holding the original's hooks: a hook that the call
             # registers (and removes) on the copy stays private to the call, as attributes
             # assigned on self do. Shared, it landed on the original, ran in the other
-            # replicas' forwards too, and piled up there call after call.
-            for key in _HOOK_KEYS:
-                state[key] = state[key].copy()
+            # replicas' forwards too, and piled up there call after call. Where the original
+            # has no hooks, the copy's empty dicts of the last call serve again (clear keeps
+            # only empty ones): a dozen dict copies per module were a third of this method.
+            kept, theirs = self._hooks[index], _hooks_of(state)
+            if kept is not None and not any(theirs):
+                state.update(kept)
+            else:
+                mine = dict(zip(_HOOK_KEYS, [hooks.copy() for hooks in theirs]))
+                state.update(mine)
+                if not any(theirs):
+                    self._hooks[index] = mine
+                    renewed = True
             parameters = state["_parameters"] = state["_parameters"].copy()
             buffers = state["_buffers"] = state["_buffers"].copy()
             children = state["_modules"]
@@ -181,6 +200,8 @@ class _Skeleton:
                 if _rebind_attributes(states[index], copies, self.names[index], made)[1] is not None:
                     self._watch = None  # its values can be kept now: worked out again next time
         self._made = made
+        if renewed:
+            self._kept_hooks = [d for h in self._hooks if h is not None for d in h.values()]
         if direct:
             # Everything by_path depends on, as names and ids (of live originals, checked
             # above; ids keep nothing alive, and an idle skeleton must hold nothing). Equal to
@@ -251,6 +272,7 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)
 _HOOK_KEYS = tuple(
     key for key, value in nn.Module().__dict__.items() if "hook" in key and isinstance(value, dict)
 )
+_hooks_of = operator.itemgetter(*_HOOK_KEYS)  # a module's hook dicts, taken in one call
 
 # Values that reach no module, which a skeleton may keep to compare with (see _Watch).
 _INERT = frozenset(

@@ -345,20 +345,23 @@ def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
     caller's batch) is copied; a replica's own fresh tensor is kept as it is. Resident inputs
     (``PerReplica`` leaves) returned as they are stay as they are: the new state then shares
     them with the old, which a loop drops (copying frozen state on every step would cost a pass
-    over it)."""
-    return [_own_copy(v, taken) for v in values]
-
-
-def _own_copy(value: Any, taken: set[int]) -> Any:
-    """``value``, or a copy of it where it shares memory with ``taken`` (see :func:`_own_copies`),
-    whose memory is then taken too."""
-    if isinstance(value, torch.Tensor) and value.numel() > 0:
-        storage = _storage(value)
-        if storage in taken:
-            value = value.clone()
-            storage = _storage(value)
-        taken.add(storage)
-    return value
+    over it). The memory of each value returned is added to ``taken``."""
+    # One plain loop, with no call per value: a resident step returns every parameter and
+    # optimizer state, and right after its kernels each line runs cold.
+    own = []
+    tensor = torch.Tensor
+    for value in values:
+        if isinstance(value, tensor) and value.numel() > 0:
+            try:  # (_storage, inline)
+                storage = value.untyped_storage().data_ptr()
+            except NotImplementedError:
+                storage = id(value)
+            if storage in taken:
+                value = value.clone()
+                storage = _storage(value)
+            taken.add(storage)
+        own.append(value)
+    return own
 
 
 def _lone_per_replica(

@@ -51,6 +51,14 @@ def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
     assert ("~1 ms resident step", "1 replicas") in measured
     assert ("~1 ms resident step", "1 replicas, pmean donated") in measured
     assert ("~1 ms module step", "fdp.DataParallel (1 cpu)") in measured
+    host_bound = {variant for given, variant in measured if given == "host-bound step"}
+    assert host_bound == {
+        "direct",
+        "torch.func.functional_call step",
+        "fdp.functional_call step",
+        "1 replicas, resident, pmean donated",
+        "fdp.DataParallel (1 cpu)",
+    }
     assert all(row["us_per_call"] > 0 for row in rows)
 
 

@@ -476,6 +476,70 @@ def test_every_change_to_the_tree_between_calls_of_one_skeleton_is_seen() -> Non
     check(**{"c.weight": torch.eye(2)})
 
 
+def test_hooks_of_one_call_of_a_skeleton_reach_no_later_call() -> None:
+    # A copy's empty hook dicts serve its next call (see _Skeleton.refresh): a hook that a call
+    # leaves on a copy must not run in the next, nor keep what it refers to alive, and hooks
+    # the module gains or loses between calls must be seen.
+    seen: list[str] = []
+
+    class Leaving(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.leave = False
+
+        def forward(self, x):
+            if self.leave:  # registered on the copy, never removed
+                payload = torch.empty(0)
+                self.fc.register_forward_hook(lambda *_: seen.append(f"left {payload.shape}"))
+                self.fc.register_forward_pre_hook(lambda *_: None)
+            return self.fc(x)
+
+    net, x = Leaving(), torch.randn(3, 2)
+    params = random_params(net)
+    fdp.functional_call(net, params, (x,))
+    (skeleton,) = _functional_call._FREE[net]
+    net.leave = True
+    fdp.functional_call(net, params, (x,))
+    assert seen == ["left torch.Size([0])"]
+    net.leave = False
+    for _ in range(2):
+        fdp.functional_call(net, params, (x,))
+    assert seen == ["left torch.Size([0])"]  # the hook left by the second call ran in it alone
+    assert _functional_call._FREE[net] == [skeleton]  # the same skeleton, every call
+    assert not any(skeleton._kept_hooks)  # idle, it holds no hook
+
+    handle = net.fc.register_forward_hook(lambda *_: seen.append("the module's"))
+    fdp.functional_call(net, params, (x,))
+    handle.remove()
+    fdp.functional_call(net, params, (x,))
+    assert seen == ["left torch.Size([0])", "the module's"]
+    assert not net.fc._forward_hooks and not net.fc._forward_pre_hooks
+
+
+def test_a_hook_that_a_call_leaves_keeps_nothing_alive() -> None:
+    class Big:
+        pass
+
+    class Leaving(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            big = Big()
+            refs.append(weakref.ref(big))
+            self.fc.register_forward_hook(lambda *_: big)
+            return self.fc(x)
+
+    refs: list[weakref.ref[Big]] = []
+    net = Leaving()
+    for _ in range(2):  # the second call on the skeleton the first one left
+        fdp.functional_call(net, random_params(net), (torch.randn(3, 2),))
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_a_submodule_whose_class_changed_between_calls_runs_its_new_forward() -> None:
     class Doubled(nn.Linear):
         def forward(self, x):
