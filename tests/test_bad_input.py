@@ -828,6 +828,28 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"norm is taken of dense gradients only",
     ),
     (
+        # torch's own error named neither the call nor the leaf: "For integral input tensors,
+        # argument alpha must not be a floating point number"
+        "an integer tensor among the parameters of an `fdp.optim` optimizer",
+        lambda: (
+            {"w": torch.ones(2), "bn": {"num_batches_tracked": torch.tensor(3)}},
+            {"w": torch.ones(2), "bn": {"num_batches_tracked": torch.tensor(1)}},
+        ),
+        lambda a: fdp.optim.sgd(0.1).apply_gradients(a[1], fdp.optim.sgd(0.1).init(a[0]), a[0]),
+        TypeError,
+        r"^fdp.optim.sgd: apply_gradients got params\['bn'\]\['num_batches_tracked'\] of type int64\[\]; "
+        r"fdp.optim steps floating-point and complex tensors only, as torch.optim does \(an integer tensor "
+        r"cannot have a gradient\): keep integer tensors such as step counts out of the params, e.g. "
+        r"dict\(model.named_parameters\(\)\) rather than model.state_dict\(\)$",
+    ),
+    (
+        "an integer tensor among the parameters of an `fdp.optim` optimizer",
+        lambda: ({"w": torch.ones(2), "n": torch.tensor(3)}, {"w": torch.ones(2), "n": torch.tensor(1)}),
+        lambda a: fdp.optim.adam(0.1).update(a[1], fdp.optim.adam(0.1).init(a[0]), a[0]),
+        TypeError,
+        r"^fdp.optim.adam: update got params\['n'\] of type int64\[\]; fdp.optim steps floating-point",
+    ),
+    (
         # A typo in a label: the parameters labelled with it would be stepped by nothing.
         "a parameter label with no transformation in `fdp.optim.multi_transform`, or labels unlike the "
         "parameters",
