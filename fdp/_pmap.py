@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Concatenate, Generic, ParamSpec, TypeGuard, TypeVar, overload
+from typing import Any, Concatenate, Generic, Never, ParamSpec, TypeGuard, TypeVar, overload
 
 import optree
 import torch
@@ -724,7 +724,30 @@ def _axes_as_axis_name(axis_name: Any) -> TypeGuard[tuple[Any, ...] | list[Any]]
     )
 
 
-# A module first: nn.Module's __call__ takes anything, which would type the pmapped module's call
+# First, for @functools.partial(fdp.pmap, axis_name="i"), JAX's decorator: mypy's partial plugin
+# skips overloaded functions, and typeshed's partial then returns what the first overload returns,
+# whatever function the partial decorates. From the module's overload, every call of a function
+# so decorated was refused (it expected the parameters first). This overload, which no argument
+# matches (no value is a Never), types it Any: unchecked, but nothing refused. Not Pmapped[...,
+# Any]: bound as a method, mypy takes *args away with the instance, and refuses the arguments.
+@overload
+def pmap(
+    fn: Never,
+    /,
+    axis_name: Hashable | None = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    devices: Sequence[_devices.DeviceLike] | None = None,
+    output_device: _devices.DeviceLike | None = None,
+    static_argnums: int | Sequence[int] = (),
+    split: _split.SplitRule = "chunk",
+    check_unmapped_outputs: bool = False,
+    compile: bool | Mapping[str, Any] = False,
+) -> Any: ...
+
+
+# A module before a function: nn.Module's __call__ takes anything, which would type the pmapped module's call
 # as taking anything, where it takes the parameters and buffers first.
 @overload
 def pmap(

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SNIPPET = textwrap.dedent(
     """
+    import functools
     from typing import Any
 
     import torch
@@ -84,6 +85,24 @@ SNIPPET = textwrap.dedent(
     reveal_type(Scaler().scale)  # reveals: def (x: Tensor) -> Tensor
     reveal_type(Scaler().scale(x))  # reveals: Tensor
     Scaler().scale(3)  # error: arg-type
+
+    # JAX's decorator, a partial of fdp.pmap: mypy types a partial of an overloaded function
+    # by one overload, whatever it decorates; unchecked then, but no call refused.
+    @functools.partial(fdp.pmap, axis_name="i", devices=["cpu", "cpu"])
+    def jax_style(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    reveal_type(jax_style)  # reveals: Any
+    jax_style(x)
+    jax_style(x=x)
+
+    class PartialScaler:
+        @functools.partial(fdp.pmap, in_axes=(None, 0))
+        def scale(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    PartialScaler().scale(x)
+    PartialScaler.scale(PartialScaler(), x)
 
     # --- fdp.DataParallel: the wrapped module keeps its type, as in nn.DataParallel -----------
     class Net(nn.Module):
