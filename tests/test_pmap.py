@@ -98,6 +98,35 @@ def test_a_decorated_method_read_from_its_class_is_the_pmapped_function() -> Non
     torch.testing.assert_close(Scaler.scale(Scaler(), torch.ones(4)), torch.full((4,), 3.0))
 
 
+def test_classmethod_and_staticmethod_over_a_pmapped_function() -> None:
+    # @classmethod over @fdp.pmap: the class is the first positional argument (bound by
+    # Pmapped.__get__ under Python 3.11 and 3.12's classmethod, by classmethod itself since 3.13);
+    # @staticmethod over it: nothing is bound, from the class or an instance.
+    class Scaler:
+        factor = 3.0
+
+        @classmethod
+        @fdp.pmap(in_axes=(None, 0), devices=cpus(2))
+        def scale(cls, x):
+            return cls.factor * x * torch.ones_like(x).sum()
+
+        @staticmethod
+        @fdp.pmap(devices=cpus(2))
+        def double(x):
+            return 2 * x * torch.ones_like(x).sum()
+
+    class Bigger(Scaler):
+        factor = 5.0
+
+    x = torch.ones(4)
+    # Every replica got 2 of the 4 rows (the sum), and the class it was read from.
+    for read in (Scaler, Scaler()):
+        torch.testing.assert_close(read.scale(x), torch.full((4,), 6.0))
+        torch.testing.assert_close(read.double(x), torch.full((4,), 4.0))
+    for read in (Bigger, Bigger()):
+        torch.testing.assert_close(read.scale(x), torch.full((4,), 10.0))
+
+
 def test_not_callable_is_type_error() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         fdp.pmap(3)  # type: ignore[call-overload]

@@ -104,6 +104,44 @@ SNIPPET = textwrap.dedent(
     PartialScaler().scale(x)
     PartialScaler.scale(PartialScaler(), x)
 
+    # @classmethod or @staticmethod over @fdp.pmap run (tests/test_pmap.py), but mypy types them
+    # wrong, and fdp's annotations cannot help it: mypy binds cls for (and binds nothing under
+    # @staticmethod for) a function only, and calls a Pmapped's __get__ as for a method; no
+    # overload of __get__ can tell cls from self, as mypy drops a Concatenate's prefix from a
+    # self type. So Maker.make(x) and Maker().double(x) are refused. Pinned, to see mypy change;
+    # as calls, classmethod(fdp.pmap(...)) and staticmethod(fdp.pmap(...)) are typed right.
+    class Maker:
+        @classmethod
+        @fdp.pmap(in_axes=(None, 0))
+        def make(cls, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        @staticmethod
+        @fdp.pmap
+        def double(x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    reveal_type(Maker.make)  # reveals: Pmapped[[cls: type[Maker], x: Tensor], Tensor]
+    reveal_type(Maker().make)  # reveals: def (x: Tensor) -> Tensor
+    reveal_type(Maker.double)  # reveals: Pmapped[[x: Tensor], Tensor]
+    reveal_type(Maker().double)  # reveals: def () -> Tensor
+
+    def make(cls: type[Made], x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def triple(x: torch.Tensor) -> torch.Tensor:
+        return 3 * x
+
+    class Made:
+        make = classmethod(fdp.pmap(make, in_axes=(None, 0)))
+        triple = staticmethod(fdp.pmap(triple))
+
+    reveal_type(Made.make)  # reveals: def (x: Tensor) -> Tensor
+    reveal_type(Made().make)  # reveals: def (x: Tensor) -> Tensor
+    reveal_type(Made.make(x))  # reveals: Tensor
+    Made.make(3)  # error: arg-type
+    reveal_type(Made().triple)  # reveals: def (x: Tensor) -> Tensor
+
     # --- fdp.DataParallel: the wrapped module keeps its type, as in nn.DataParallel -----------
     class Net(nn.Module):
         def __init__(self) -> None:
