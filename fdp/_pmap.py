@@ -188,7 +188,9 @@ class Pmapped(Generic[P, R]):
         # Lets @fdp.pmap decorate methods: the instance becomes the first positional argument,
         # mapped by in_axes as any other (in_axes=(None, ...) gives every replica all of it; a
         # dataclass instance holding tensors under an int axis is split, as jax.pmap would).
-        if instance is None:
+        # A pmapped module is not a function but a module: kept as a class attribute, it is
+        # called as it is, as the module would be (nn.Module binds to nothing).
+        if instance is None or self.is_module:
             return self
         return functools.partial(self, instance)
 

@@ -127,6 +127,20 @@ def test_classmethod_and_staticmethod_over_a_pmapped_function() -> None:
         torch.testing.assert_close(read.scale(x), torch.full((4,), 10.0))
 
 
+def test_a_pmapped_module_kept_as_a_class_attribute_binds_no_instance() -> None:
+    # As the module itself would be (nn.Module has no __get__): called as it is, from the class
+    # or an instance. Bound like a function, it took the instance for its params.
+    model = nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+
+    class Trainer:
+        net = fdp.pmap(model, devices=cpus(2))
+
+    x = torch.randn(4, 3)
+    for read in (Trainer, Trainer()):
+        torch.testing.assert_close(read.net(params, x), model(x))
+
+
 def test_not_callable_is_type_error() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         fdp.pmap(3)  # type: ignore[call-overload]
