@@ -935,6 +935,7 @@ def pmap(
         ValueError: fdp.pmap(<lambda>) got inconsistent sizes for array axes to be mapped:
           * one axis had size 4: axis 0 of args[0] of type float32[4];
           * one axis had size 3: axis 0 of args[1] of type float32[3]
+        Every positional argument is split along its in_axes entry (0 unless given): ...
     """
     if _axes_as_axis_name(axis_name) and (fn is None or callable(fn)):  # (else: fn is the error)
         caller = "fdp.pmap" if fn is None else _caller_of(fn)

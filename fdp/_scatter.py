@@ -518,6 +518,17 @@ def _inconsistent_sizes_message(
     elif keywords and _is_keyword(caller, keywords[0]):
         advice = _keyword_advice(keywords)
         lines.append(advice[0].upper() + advice[1:])
+    elif caller.startswith("fdp.pmap") and any(paths[k].startswith("args") for k, _ in mapped):
+        # The commonest mistake of all: an argument that every replica needs whole (a model's
+        # parameters, a table) left under in_axes' default 0. The sizes alone do not say which
+        # argument is the odd one out (two leaves of different sizes tie), so this names the fix
+        # rather than an argument.
+        lines.append(
+            "Every positional argument is split along its in_axes entry (0 unless given): one that "
+            "every replica needs whole (a model's parameters, a lookup table) takes None there, e.g. "
+            "in_axes=(None, 0) for f(params, x); state kept on every device is placed once with "
+            "fdp.device_put_replicated"
+        )
     return "\n".join(lines)
 
 

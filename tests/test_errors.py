@@ -24,8 +24,38 @@ def test_inconsistent_sizes_name_every_group() -> None:
         "fdp.pmap(test_inconsistent_sizes_name_every_group.<locals>.<lambda>) got inconsistent "
         "sizes for array axes to be mapped:\n"
         "  * most axes (3 of them) had size 8, e.g. axis 0 of args[0] of type float32[8,4];\n"
-        "  * one axis had size 7: axis 0 of args[1]['b'] of type float32[7]"
+        "  * one axis had size 7: axis 0 of args[1]['b'] of type float32[7]\n"
+        "Every positional argument is split along its in_axes entry (0 unless given): one that every "
+        "replica needs whole (a model's parameters, a lookup table) takes None there, e.g. "
+        "in_axes=(None, 0) for f(params, x); state kept on every device is placed once with "
+        "fdp.device_put_replicated"
     )
+
+
+def test_inconsistent_sizes_of_parameters_left_under_axis_0_say_to_give_them_none() -> None:
+    # The README's first example with in_axes left out: the parameters are split like the batch,
+    # and JAX's message alone (which sizes disagree) did not say what to change.
+    model = nn.Linear(5, 2)
+    f = fdp.pmap(lambda params, x: fdp.functional_call(model, params, (x,)), devices=cpus(2))
+    with pytest.raises(ValueError) as info:
+        f(dict(model.named_parameters()), torch.zeros(30, 5))
+    assert (
+        str(info.value)
+        .splitlines()[-1]
+        .startswith(
+            "Every positional argument is split along its in_axes entry (0 unless given): one that "
+            "every replica needs whole (a model's parameters, a lookup table) takes None there, e.g. "
+            "in_axes=(None, 0)"
+        )
+    )
+    # Not where a keyword argument is the odd one out (that advice is its own), nor for
+    # fdp.DataParallel, which has no in_axes.
+    with pytest.raises(ValueError) as info:
+        f(torch.zeros(4), x=torch.zeros(3))
+    assert "in_axes entry" not in str(info.value)
+    with pytest.raises(ValueError) as info:
+        fdp.DataParallel(nn.Bilinear(2, 2, 1), device_ids=cpus(2))(torch.zeros(4, 2), torch.zeros(3, 2))
+    assert "in_axes" not in str(info.value)
 
 
 def test_inconsistent_sizes_list_the_groups_largest_first() -> None:
@@ -39,7 +69,7 @@ def test_inconsistent_sizes_list_the_groups_largest_first() -> None:
             {"a": torch.zeros(8), "b": torch.zeros(8), "c": torch.zeros(8)},
             torch.zeros(6),
         )
-    assert str(info.value).splitlines()[1:] == [
+    assert str(info.value).splitlines()[1:4] == [
         "  * most axes (3 of them) had size 8, e.g. axis 0 of args[2]['a'] of type float32[8];",
         "  * some axes (2 of them) had size 6, e.g. axis 0 of args[1] of type float32[6];",
         "  * one axis had size 7: axis 0 of args[0] of type float32[7]",
