@@ -360,7 +360,7 @@ def _exchanges_statistics(layer: SyncBatchNorm) -> bool | None:
     state = layer.__dict__
     if _replica.current() is not None:
         try:
-            context = _collectives._bound(layer.axis_name, "fdp.SyncBatchNorm")
+            context = _collectives._bound(layer.axis_name, "fdp.SyncBatchNorm", advise=False)
         except NameError as error:
             # Said here, in the layer's words: the exchange beneath would name fdp.all_gather,
             # which the user never called (a converted model under fdp.DataParallel, say).

@@ -60,7 +60,9 @@ __all__ = [
 # --- binding -----------------------------------------------------------------------------------
 
 
-def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
+def _bound(axis_name: Hashable, caller: str, *, advise: bool = True) -> _replica.ReplicaContext:
+    """The replica's context, where ``axis_name`` is bound; else a NameError that says why, and
+    with ``advise`` how to bind it (a caller with advice of its own passes False)."""
     context = _replica.current()
     if context is None or axis_name is None or context.axis_name != axis_name:
         if context is None and torch._C._current_graph_task_id() != -1:
@@ -78,6 +80,8 @@ def _bound(axis_name: Hashable, caller: str) -> _replica.ReplicaContext:
             hint = "collectives work inside a function mapped with fdp.pmap(..., axis_name=...)"
         elif context.axis_name is None:
             hint = "the function being mapped was given no axis_name"
+            if advise:
+                hint += f": map it with fdp.pmap(..., axis_name={axis_name!r})"
         else:
             hint = f"the function being mapped has axis_name={context.axis_name!r}"
         raise NameError(f"unbound axis name: {axis_name} ({caller}: {hint})")

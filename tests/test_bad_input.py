@@ -377,6 +377,14 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"unbound axis name: j .*axis_name='i'",
     ),
     (
+        "unbound axis name",
+        lambda: (torch.zeros(2),),
+        lambda a: pm(lambda x: fdp.pmean(x, "i"))(*a),
+        NameError,
+        r"^unbound axis name: i \(fdp.pmean: the function being mapped was given no axis_name: map it with "
+        r"fdp.pmap\(..., axis_name='i'\)\)\n",
+    ),
+    (
         "non-hashable static argument",
         lambda: (torch.zeros(2), [1, 2]),
         lambda a: pm(lambda x, opts: x, static_argnums=1)(*a),

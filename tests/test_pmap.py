@@ -247,7 +247,14 @@ def test_device_spellings() -> None:
         (["gpu"], ValueError, r"devices\[0\] is not a device: 'gpu'"),
         (["cpu", "mps"], ValueError, r"devices\[1\]: fdp runs on cpu and cuda devices"),
         ([], ValueError, "at least one device"),
-        ("cpu", TypeError, r"must be a sequence of devices.*\['cpu'\]"),
+        ("cpu", TypeError, r"must be a sequence of devices, got 'cpu'; write \['cpu'\] for a single device$"),
+        # jax.pmap's count of devices: an int names a GPU here, so both readings are spelled out.
+        (
+            2,
+            TypeError,
+            r"must be a sequence of devices, got 2; write \[2\] for the single device cuda:2, or a list "
+            r"of one device per replica for 2 replicas, e.g. \['cpu', 'cpu'\]$",
+        ),
         ([1.5], TypeError, r"devices\[0\] must be an int, str or torch.device"),
         ([True], TypeError, r"devices\[0\] must be an int"),
         ([-1], ValueError, "non-negative CUDA index"),
