@@ -295,7 +295,8 @@ class AdamState(NamedTuple):
 class MultiTransformState(NamedTuple):
     """The state of :func:`multi_transform` (optax's ``MultiTransformState``): each label's
     transformation's state, in a dict by label. Each was made by its transformation's ``init``
-    for the parameters of its label, the others' places in the tree holding ``None``.
+    for the parameters of its label, with ``None`` in place of each part of the tree that holds
+    none of them (another label's leaf, or a whole subtree of them).
 
     Examples:
         >>> import torch
@@ -1004,14 +1005,15 @@ def multi_transform(
     weight_decay=0.1), "no_decay": adamw(1e-3, weight_decay=0.0)}, labels)``: its
     ``apply_gradients`` gives torch's parameters bit for bit (``update`` and
     :func:`apply_updates` to rounding, as each optimizer's). Each label's transformation gets
-    the tree of the gradients (and parameters) with ``None`` in the places of the other labels'
-    leaves (optax's masked trees), so its state is a tree like the parameters too, and its
-    errors name leaves by their key paths in the whole tree. Where every label's transformation
-    steps in one pass (fdp's optimizers, a :func:`chain` ending in one),
-    :meth:`GradientTransformation.apply_gradients` does too, label by label; any other label's
-    parameters get ``update`` and :func:`apply_updates`. Each transformation keeps its own step
-    count (and schedule), and is stepped at every step, a label that labels no parameter
-    included, as ``torch.optim`` steps every group.
+    the tree of the gradients (and parameters) with ``None`` in place of each part that holds
+    none of its leaves, another label's leaf or a whole subtree of them (optax's masked trees,
+    but with one ``None`` for a subtree: ``{"backbone": None, "head": {"w": ...}}``), so its
+    state is a tree like the parameters too, and its errors name leaves by their key paths in
+    the whole tree. Where every label's transformation steps in one pass (fdp's optimizers, a
+    :func:`chain` ending in one), :meth:`GradientTransformation.apply_gradients` does too, label
+    by label; any other label's parameters get ``update`` and :func:`apply_updates`. Each
+    transformation keeps its own step count (and schedule), and is stepped at every step, a
+    label that labels no parameter included, as ``torch.optim`` steps every group.
 
     Args:
         transforms: the transformation of each label, e.g. ``{"decay": adamw(...),
@@ -1072,21 +1074,18 @@ def multi_transform(
         # Refused now, not at the first step: the labels are known.
         _refuse_unknown_labels(where, transforms, param_labels, "param_labels")
 
-    # Each label's leaf positions, and the structure of its masked tree, by the params'
+    # Each label's group (its leaves, and the shape of its masked tree), by the params'
     # structure (and, for a function, the labels it returned): matching labels to leaves by key
     # path costs as much as a small model's whole step, and the answer repeats every step.
-    known: _tree.SpecCache[
-        tuple[optree.PyTreeSpec, list[Any], dict[Hashable, tuple[list[int], optree.PyTreeSpec]]]
-    ]
+    known: _tree.SpecCache[tuple[optree.PyTreeSpec, list[Any], dict[Hashable, _Group]]]
     known = _tree.SpecCache()
     fixed = None if labelled else _tree.flatten(param_labels)
 
     def groups(
         tree: Tree, leaves: Leaves, spec: optree.PyTreeSpec, root: str, call: str
-    ) -> dict[Hashable, tuple[list[int], optree.PyTreeSpec]]:
-        """The positions of the leaves of ``tree`` (the params, or the grads without them,
-        written ``root``; of leaves ``leaves`` and structure ``spec``) by label, each with the
-        structure of its masked tree."""
+    ) -> dict[Hashable, _Group]:
+        """The group of each label among the leaves of ``tree`` (the params, or the grads
+        without them, written ``root``; of leaves ``leaves`` and structure ``spec``)."""
         try:
             labels = param_labels(tree) if labelled else param_labels
         except Exception:
@@ -1110,17 +1109,13 @@ def multi_transform(
         except (KeyError, TypeError):  # a label without a transformation, or unhashable
             _refuse_unknown_labels(f"{where}: {call}", transforms, labels, name)
             raise
-        by_label = {
-            label: (mine, _leaves(masked(leaves, spec, mine))[1]) for label, mine in positions.items()
-        }
+        by_label = {label: _group(leaves, spec, mine) for label, mine in positions.items()}
         known[spec] = (labels_spec, label_leaves, by_label)
         return by_label
 
     def parts(grads: Tree, state: Any, params: Tree | None, call: str) -> tuple[Any, Any]:
         """:func:`groups`, and each label's masked grads and params (None without params), once
-        grads, params and state agree. The masked trees are all made here, before any
-        transformation runs: compiled, a structure that lived across a transformation's graph
-        breaks was rebuilt wrongly by dynamo (its unflatten failed with "length mismatch")."""
+        grads, params and state agree (see :func:`split`)."""
         if not isinstance(state, MultiTransformState):
             raise ValueError(
                 f"{where}: {call} got a state of type {type(state).__qualname__}, expected "
@@ -1139,30 +1134,29 @@ def multi_transform(
                 f"{_tree.short_repr(list(transforms))}: the state must come from this transformation's "
                 "init(params)"
             )
+        if torch.compiler.is_compiling():
+            return _split_eagerly(split, grads, params, call)
+        return split(grads, params, call)
+
+    def split(grads: Tree, params: Tree | None, call: str) -> tuple[dict[Hashable, _Group], Any]:
+        """The checks and groups of :func:`parts`, and the masked trees. Compiled, all of it runs
+        outside the graph (:func:`_split_eagerly`), before any transformation runs: the labels
+        (a function of the user's, matched by key path); the masked trees, whose layouts are
+        structures made outside the graph, where dynamo would have to make them from trees of
+        constants, which it cannot flatten (see :class:`_Group`); and no structure lives on in
+        the graph across a transformation's graph breaks (dynamo rebuilt one wrongly: its
+        unflatten failed with "length mismatch")."""
         labelled_tree, root = (grads, "grads") if params is None else (params, "params")
-        compiling = torch.compiler.is_compiling()
-        if compiling:  # the checks and the labels outside the graph, before any tree is flattened
-            if params is not None:
-                _verify_like_params_eagerly(f"{where}: {call}", grads, params)
-            by_label = _groups_eagerly(groups, labelled_tree, root, call)
         g, spec = _leaves(grads)
         p, params_spec = (g, spec) if params is None else _leaves(params)
-        if not compiling:
-            if not _tree.same_structure(spec, params_spec):
-                _refuse_grads_unlike_params(f"{where}: {call}", grads, params, spec, params_spec)
-            by_label = groups(labelled_tree, p, params_spec, root, call)
+        if not _tree.same_structure(spec, params_spec):
+            _refuse_grads_unlike_params(f"{where}: {call}", grads, params, spec, params_spec)
+        by_label = groups(labelled_tree, p, params_spec, root, call)
         masked_trees = {
-            label: (masked(g, spec, positions), None if params is None else masked(p, params_spec, positions))
-            for label, (positions, _) in by_label.items()
+            label: (_masked(g, group), None if params is None else _masked(p, group))
+            for label, group in by_label.items()
         }
         return by_label, masked_trees
-
-    def masked(leaves: Leaves, spec: optree.PyTreeSpec, positions: list[int]) -> Tree:
-        """The tree of ``leaves`` with None at every position but ``positions``."""
-        kept: list[Any] = [None] * len(leaves)
-        for i in positions:
-            kept[i] = leaves[i]
-        return _tree.unflatten(spec, kept)
 
     def merged(tree: Tree, by_label: Any, results: dict[Hashable, Tree], call: str) -> Tree:
         """The labels' ``results``, trees like their masked trees of ``tree``, as one tree like
@@ -1170,7 +1164,7 @@ def multi_transform(
         leaves, spec = _leaves(tree)
         out: list[Any] = [None] * len(leaves)
         for label, result in results.items():
-            positions, given = by_label[label]
+            positions, given = by_label[label].positions, by_label[label].structure
             got, structure = _leaves(result)
             if given is not None and not _tree.same_structure(structure, given):
                 # A transformation of the user's that returns another tree: its leaves, placed
@@ -1187,7 +1181,7 @@ def multi_transform(
         p, spec = _leaves(params)
         by_label = groups(params, p, spec, "params", "init")
         return MultiTransformState(
-            {label: transforms[label].init(masked(p, spec, by_label[label][0])) for label in transforms}
+            {label: transforms[label].init(_masked(p, by_label[label])) for label in transforms}
         )
 
     def update(
@@ -1216,6 +1210,56 @@ def multi_transform(
 
     _attach(update, apply)
     return GradientTransformation(init, update)
+
+
+class _Group(NamedTuple):
+    """One label's share of a tree's leaves, for :func:`multi_transform`, and the layout of its
+    masked tree: the tree with None in place of each largest part that holds none of the
+    label's leaves, a leaf or a whole subtree (the root excepted: it stays the tree's own).
+
+    A None for a whole subtree, not one per leaf, for ``torch.compile``: with torch 2.13 and
+    optree 0.20, dynamo fails on a dict that holds only Nones (of another label's subtree).
+    Rebuilding one from the structure of the dict of tensors it masks, it folds the rebuild
+    into a call of optree's own unflatten with the node data of its stand-in for optree, which
+    optree cannot read ("unhashable type: 'list'", "length mismatch"); flattening one, it cannot
+    hold the node data optree gives (a graph break, then frames run eagerly on its stand-in's
+    structures, which fail alike). Each label's transformation flattens its masked trees and
+    rebuilds its results and state from their structure, so a dict of Nones in them failed every
+    compiled step. In these trees, every dict below the root holds a leaf of the label.
+    """
+
+    positions: list[int]  # the label's leaves, by position among the tree's leaves, ascending
+    sources: list[int | None]  # for each leaf of ``layout``: the position of its leaf, or None
+    layout: optree.PyTreeSpec | None  # the masked tree's, each None a leaf (None in a graph)
+    structure: optree.PyTreeSpec | None  # the masked tree's, to check results by (None in a graph)
+
+
+def _group(leaves: Leaves, spec: optree.PyTreeSpec, positions: list[int]) -> _Group:
+    """The group of the leaves at ``positions`` among ``leaves``, of structure ``spec``. The
+    parts that hold none of them are the leaves that optree finds in the tree with None at
+    every other position, flattened with the parts that hold no leaf (but the root) taken as
+    leaves. Once per structure: it flattens each part it looks at (leaves times depth)."""
+    kept: list[Any] = [None] * len(leaves)
+    for i in positions:
+        kept[i] = leaves[i]
+    full = _tree.unflatten(spec, kept)
+
+    def empty(node: Tree) -> bool:
+        return not optree.tree_leaves(node, is_leaf=_tree.is_leaf(), namespace=_tree.NAMESPACE)
+
+    parts, layout = optree.tree_flatten(
+        full, is_leaf=lambda node: node is not full and empty(node), namespace=_tree.NAMESPACE
+    )
+    owned = iter(positions)  # in the order of the leaves: pruning keeps that order
+    sources = [None if empty(part) else next(owned) for part in parts]
+    group = _Group(positions, sources, layout, None)
+    return group._replace(structure=_leaves(_masked(leaves, group))[1])
+
+
+def _masked(leaves: Leaves, group: _Group) -> Tree:
+    """The masked tree of ``group`` holding ``leaves`` (a tree's, or of a tree like it's)."""
+    assert group.layout is not None  # (None only in the groups handed to a graph, which masks nothing)
+    return _tree.unflatten(group.layout, [None if i is None else leaves[i] for i in group.sources])
 
 
 def _leaf_labels(where: str, call: str, labels: Tree, name: str, tree: Tree, root: str) -> list[Any]:
@@ -1267,24 +1311,15 @@ def _refuse_unknown_labels(where: str, transforms: dict[Hashable, Any], labels: 
 
 
 @eager_under_compile
-def _groups_eagerly(
-    groups: Callable[..., dict[Hashable, Any]], tree: Tree, root: str, call: str
-) -> dict[Hashable, Any]:
-    """``multi_transform``'s groups of ``tree``'s leaves outside the graph, without the
-    structures of the masked trees (which would live on in the graph: see its ``parts``)."""
-    leaves, spec = _leaves(tree)
+def _split_eagerly(
+    split: Callable[..., tuple[dict[Hashable, _Group], Any]], grads: Tree, params: Tree | None, call: str
+) -> tuple[dict[Hashable, _Group], Any]:
+    """``multi_transform``'s ``split`` outside the graph: its groups without their structures
+    (which would live on in the graph: see ``split``), and the masked trees."""
+    by_label, masked_trees = split(grads, params, call)
     return {
-        label: (positions, None) for label, (positions, _) in groups(tree, leaves, spec, root, call).items()
-    }
-
-
-@eager_under_compile
-def _verify_like_params_eagerly(where: str, grads: Tree, params: Tree) -> None:
-    """The grads' structure checked against the params' outside the graph (see
-    :func:`_verify_eagerly`)."""
-    spec, params_spec = _leaves(grads)[1], _leaves(params)[1]
-    if not _tree.same_structure(spec, params_spec):
-        _refuse_grads_unlike_params(where, grads, params, spec, params_spec)
+        label: group._replace(layout=None, structure=None) for label, group in by_label.items()
+    }, masked_trees
 
 
 @torch.no_grad()

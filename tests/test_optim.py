@@ -1392,6 +1392,60 @@ def test_multi_transform_of_one_label_for_all_is_that_transformation(one_pass: b
     assert_trees_equal(a_state, b_state.inner_states["all"])
 
 
+def test_multi_transform_masks_each_part_without_a_labels_leaves_with_one_none() -> None:
+    # A whole subtree of the other labels' leaves is one None in a label's trees (and state), not
+    # a dict of Nones, which compiled steps failed to rebuild (tests/test_compile.py); the root
+    # stays a dict, for a label that labels nothing too.
+    seen: dict[str, list[Any]] = {}
+
+    def recording(label: str) -> optim.GradientTransformation:
+        def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+            seen.setdefault(label, []).extend([grads, params])
+            return optree.tree_map(torch.zeros_like, grads, namespace="fdp"), state
+
+        return optim.GradientTransformation(lambda params: seen.setdefault(label, []).append(params), update)
+
+    def tree(value: float) -> Any:
+        def full(size: int) -> torch.Tensor:
+            return torch.full((size,), value)
+
+        return {
+            "backbone": {"stem": {"w": full(2), "b": full(1)}, "block": {"w": full(3), "b": full(1)}},
+            "head": {"w": full(4)},
+        }
+
+    params, grads = tree(1.0), tree(2.0)
+    labels = {"backbone": {"stem": "a", "block": {"w": "b", "b": "a"}}, "head": "b"}
+    opt = optim.multi_transform({"a": recording("a"), "b": recording("b"), "c": recording("c")}, labels)
+    opt.apply_gradients(grads, opt.init(params), params)
+
+    def masked(t: Any, label: str) -> Any:
+        stem, block = t["backbone"]["stem"], t["backbone"]["block"]
+        if label == "a":
+            return {"backbone": {"stem": stem, "block": {"w": None, "b": block["b"]}}, "head": None}
+        if label == "b":
+            return {"backbone": {"stem": None, "block": {"w": block["w"], "b": None}}, "head": t["head"]}
+        return {"backbone": None, "head": None}
+
+    for label in "abc":
+        init_params, step_grads, step_params = seen[label]
+        assert_trees_equal(init_params, masked(params, label))
+        assert_trees_equal(step_grads, masked(grads, label))
+        assert_trees_equal(step_params, masked(params, label))
+    # fdp's optimizers keep their state in the same shape.
+    momentum = optim.multi_transform(
+        {
+            "a": optim.sgd(0.1, momentum=0.9),
+            "b": optim.sgd(0.1, momentum=0.9),
+            "c": optim.sgd(0.1, momentum=0.9),
+        },
+        labels,
+    )
+    zeros = optree.tree_map(torch.zeros_like, params, namespace="fdp")
+    for label, inner in momentum.init(params).inner_states.items():
+        assert_trees_equal(inner.momentum, masked(zeros, label))
+
+
 def test_multi_transform_steps_a_label_that_labels_no_parameter() -> None:
     # As torch.optim steps every group: its count (and schedule) go on with the others'.
     seen: list[int] = []
