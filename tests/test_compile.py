@@ -604,6 +604,19 @@ def test_sync_batch_norm_under_a_compiled_stateful_call_says_where_the_graph_may
     assert "leave that code uncompiled" in message
 
 
+def eager_and_compiled_steps(opt: Any, grads: list[Any], params: Any) -> list[tuple[Any, Any]]:
+    """The params and state after ``opt.apply_gradients`` of each of ``grads`` in turn, from
+    ``opt.init(params)``: eagerly, then compiled (``backend="eager"``)."""
+    compiled = torch.compile(lambda g, s, p: opt.apply_gradients(g, s, p), backend="eager")
+    results = []
+    for step in (opt.apply_gradients, compiled):
+        p, s = params, opt.init(params)
+        for g in grads:
+            p, s = step(g, s, p)
+        results.append((p, s))
+    return results
+
+
 def test_a_compiled_step_with_parameter_groups_matches_eager() -> None:
     """multi_transform in a compiled step, inside a chain, with a schedule for one label: the
     labels are matched to the leaves outside the graph, and no tree structure lives across the
@@ -622,13 +635,7 @@ def test_a_compiled_step_with_parameter_groups_matches_eager() -> None:
         ),
     )
     grads = [{k: torch.randn_like(v) for k, v in params.items()}]
-    step = torch.compile(lambda g, s, p: opt.apply_gradients(g, s, p), backend="eager")
-    results = []
-    for run in (opt.apply_gradients, step):
-        p, s = params, opt.init(params)
-        for g in grads:
-            p, s = run(g, s, p)
-        results.append((p, s))
+    results = eager_and_compiled_steps(opt, grads, params)
     torch.testing.assert_close(results[1][0], results[0][0], atol=0, rtol=0)
     assert results[1][1][1].inner_states["decay"].step == 1
 
@@ -667,14 +674,7 @@ def test_a_compiled_step_with_a_label_for_a_whole_subtree(labels: Any, clipped: 
     grads = [optree.tree_map(torch.randn_like, params, namespace="fdp") for _ in range(2)]
     groups = optim.multi_transform({"slow": optim.adamw(1e-3), "fast": optim.sgd(0.1, momentum=0.9)}, labels)
     opt = optim.chain(optim.clip_by_global_norm(1.0), groups) if clipped else groups
-    compiled = torch.compile(lambda g, s, p: opt.apply_gradients(g, s, p), backend="eager")
-    results = []
-    for step in (opt.apply_gradients, compiled):
-        p, s = params, opt.init(params)
-        for g in grads:
-            p, s = step(g, s, p)
-        results.append((p, s))
-    (expected, expected_state), (got, got_state) = results
+    (expected, expected_state), (got, got_state) = eager_and_compiled_steps(opt, grads, params)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     torch.testing.assert_close(got_state, expected_state, atol=0, rtol=0)
     assert optree.tree_structure(got_state, namespace="fdp") == optree.tree_structure(
