@@ -84,14 +84,12 @@ def resolve_devices(
         return default_devices()
     if isinstance(devices, (str, int, torch.device)):
         advice = f"write [{devices!r}] for a single device"
-        if type(devices) is int:
+        if type(devices) is int and 1 < devices <= 8:
             # jax's count of devices reads like one here (pmap(f, devices=2)), but an int names
             # a GPU: say both spellings.
             advice = (
                 f"write [{devices!r}] for the single device cuda:{devices}, or a list of one device "
                 f"per replica for {devices} replicas, e.g. {['cpu'] * devices!r}"
-                if 1 < devices <= 8
-                else advice
             )
         raise TypeError(f"{what} must be a sequence of devices, got {devices!r}; {advice}")
     parsed = tuple(parse_device(d, what=f"{what}[{i}]") for i, d in enumerate(devices))

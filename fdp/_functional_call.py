@@ -130,7 +130,11 @@ class _Skeleton:
         # left there would run in later calls, and could keep the module alive.
         if any(self._kept_hooks):
             self._hooks = [None if h is None or any(h.values()) else h for h in self._hooks]
-            self._kept_hooks = [d for h in self._hooks if h is not None for d in h.values()]
+            self._list_kept_hooks()
+
+    def _list_kept_hooks(self) -> None:
+        """Lists every hook dict that :attr:`_hooks` keeps, for :meth:`clear`'s test of them all."""
+        self._kept_hooks = [d for h in self._hooks if h is not None for d in h.values()]
 
     def refresh(self) -> bool:
         """Copies the originals' current state in; False if the module tree changed shape.
@@ -162,12 +166,13 @@ class _Skeleton:
             # has no hooks, the copy's empty dicts of the last call serve again (clear keeps
             # only empty ones): a dozen dict copies per module were a third of this method.
             kept, theirs = self._hooks[index], _hooks_of(state)
-            if kept is not None and not any(theirs):
+            hooked = any(theirs)
+            if kept is not None and not hooked:
                 state.update(kept)
             else:
                 mine = dict(zip(_HOOK_KEYS, [hooks.copy() for hooks in theirs]))
                 state.update(mine)
-                if not any(theirs):
+                if not hooked:
                     self._hooks[index] = mine
                     renewed = True
             parameters = state["_parameters"] = state["_parameters"].copy()
@@ -201,7 +206,7 @@ class _Skeleton:
                     self._watch = None  # its values can be kept now: worked out again next time
         self._made = made
         if renewed:
-            self._kept_hooks = [d for h in self._hooks if h is not None for d in h.values()]
+            self._list_kept_hooks()
         if direct:
             # Everything by_path depends on, as names and ids (of live originals, checked
             # above; ids keep nothing alive, and an idle skeleton must hold nothing). Equal to

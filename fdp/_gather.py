@@ -346,16 +346,13 @@ def _own_copies(values: Sequence[Any], taken: set[int]) -> list[Any]:
     (``PerReplica`` leaves) returned as they are stay as they are: the new state then shares
     them with the old, which a loop drops (copying frozen state on every step would cost a pass
     over it). The memory of each value returned is added to ``taken``."""
-    # One plain loop, with no call per value: a resident step returns every parameter and
+    # One plain loop, not a helper called per value: a resident step returns every parameter and
     # optimizer state, and right after its kernels each line runs cold.
     own = []
     tensor = torch.Tensor
     for value in values:
         if isinstance(value, tensor) and value.numel() > 0:
-            try:  # (_storage, inline)
-                storage = value.untyped_storage().data_ptr()
-            except NotImplementedError:
-                storage = id(value)
+            storage = _storage(value)
             if storage in taken:
                 value = value.clone()
                 storage = _storage(value)

@@ -235,7 +235,7 @@ def _optimizer(
             return step(g, *args)
         except RuntimeError:  # NotImplementedError among them
             _refuse_sparse(f"fdp.optim.{name}: {call}", grads, g, sparse_why)
-            _refuse_integers(f"fdp.optim.{name}: {call}", grads, g, args[0], args[1])
+            _refuse_integers(f"fdp.optim.{name}: {call}", grads, g, args[0])
             raise
 
     @torch.no_grad()
@@ -543,16 +543,16 @@ def _refuse_sparse(where: str, tree: Tree, leaves: Leaves, why: str) -> None:
             )
 
 
-def _refuse_integers(where: str, grads: Tree, g: Leaves, p: Leaves, spec: optree.PyTreeSpec) -> None:
+def _refuse_integers(where: str, grads: Tree, g: Leaves, p: Leaves) -> None:
     """Raises for the first parameter or gradient that is an integer or boolean tensor (a step
     count, BatchNorm's ``num_batches_tracked`` from a ``state_dict()``), whose step failed:
     torch's error names neither the call nor the leaf (``For integral input tensors, argument
-    alpha must not be a floating point number``). Looked for only on failure."""
+    alpha must not be a floating point number``). Looked for only on failure. The params'
+    paths are the grads' (their structures were checked to match)."""
     for root, leaves in (("params", p), ("grads", g)):
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()):
-                tree = grads if root == "grads" else _tree.unflatten(spec, leaves)
-                path = _tree.flatten_with_paths(tree, root)[0][i]
+                path = _tree.flatten_with_paths(grads, root)[0][i]
                 raise TypeError(
                     f"{where} got {path} of type {_tree.describe(x)}; fdp.optim steps floating-point "
                     "and complex tensors only, as torch.optim does (an integer tensor cannot have a "
