@@ -1,6 +1,6 @@
 """Dispatch overhead: a pmapped function against the direct call, on 1, 2 and 4 CPU replicas.
 
-    python benchmarks/dispatch.py [--rounds 15] [--json dispatch.json]
+    python benchmarks/dispatch.py [--rounds 15] [--compile] [--json dispatch.json]
 
 Three inputs: one tensor into a trivial function; nested dicts of 100 and of 1000 tensors. For
 the nested inputs, the reference is the bare per-leaf work any implementation must do on 2
@@ -18,6 +18,11 @@ as a training loop runs it, without and with a ``pmean`` of the gradients (also 
 training step (forward, ``backward()``, ``torch.optim.SGD``) on the plain module and through
 ``fdp.DataParallel`` on one CPU device. ``nn.DataParallel`` has no row of its own: without CUDA
 (or with one device) it calls the module directly, which is the plain row.
+
+Then a host-bound step: a tiny transformer whose kernels take microseconds, so that its step is
+the host's Python and dispatch, as on a GPU that outpaces its host (see :func:`host_bound_rows`).
+With ``--compile``, also its compiled steps: the plain step on ``torch.compile(model)`` and the
+resident step with ``pmap(compile=True)``.
 
 Before the timing, every variant must compute what the direct call does: the whole input back,
 the same gradients, and after 3 training steps the same parameters (``_harness.same_parameters``).
@@ -217,13 +222,15 @@ def tiny_transformer() -> torch.nn.Module:
     return torch.nn.Sequential(encoder, torch.nn.Flatten(), torch.nn.Linear(4 * 16, 10))
 
 
-def host_bound_rows(rounds: int) -> list[dict[str, Any]]:
+def host_bound_rows(rounds: int, compile: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The tiny transformer's training step, where the host's work is all there is: the plain
     module step (forward, ``backward()``, ``torch.optim.SGD``), the GPU target's reference; the
     functional step (``torch.autograd.grad`` and ``fdp.optim.sgd``) called directly with
     ``torch.func.functional_call`` and with ``fdp.functional_call``; that step pmapped on one
     replica with resident state and its gradients donated to a ``pmean``; and the module step
-    through ``fdp.DataParallel`` on one CPU."""
+    through ``fdp.DataParallel`` on one CPU. With ``compile`` (``torch.compile``'s options),
+    also the compiled paths, as ``gpu.py --compile`` has them on a GPU: the plain step on
+    ``torch.compile(model)``, and the resident ``torch.func`` step with ``pmap(compile=...)``."""
     torch.manual_seed(0)
     model = tiny_transformer()
     x, y = torch.randn(4, 4, 16), torch.randint(0, 10, (4,))
@@ -295,11 +302,37 @@ def host_bound_rows(rounds: int) -> list[dict[str, Any]]:
         ],
         "fdp.DataParallel (1 cpu)": lambda: [dict(wrapped.module.named_parameters())],
     }
+    if compile is not None:
+        compiled_plain = copy.deepcopy(model)
+        variants["direct, torch.compile"] = module_step(torch.compile(compiled_plain, **compile))
+        read["direct, torch.compile"] = lambda: [dict(compiled_plain.named_parameters())]
+
+        def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return loss_of(fdp.functional_call(model, params, (x,)), y)
+
+        @fdp.pmap(devices=["cpu"], out_axes=fdp.PER_REPLICA, axis_name="b", compile=compile)
+        def compiled_step(state: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+            grads = fdp.pmean(torch.func.grad(loss)(state["params"], x), "b", weight=x.shape[0], donate=True)
+            params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": params, "opt": opt_state}
+
+        params = {k: v.clone() for k, v in initial.items()}
+        boxes["compiled"] = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, ["cpu"])
+
+        def compiled_resident() -> None:
+            boxes["compiled"] = compiled_step(boxes["compiled"], x)
+
+        name = "1 replicas, resident, torch.func, compiled, pmean donated"
+        variants[name] = compiled_resident
+        read[name] = lambda: [{k: v[0] for k, v in boxes["compiled"]["params"].items()}]
     return against_direct("host-bound step", checked(variants, read, initial), rounds)
 
 
 def main() -> None:
     parser = arguments(__doc__, rounds=15)
+    parser.add_argument(
+        "--compile", action="store_true", help="add the compiled host-bound steps (inductor: a minute or two)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     identity = lambda x: x  # noqa: E731
@@ -334,7 +367,7 @@ def main() -> None:
     rows += training_step_rows(args.rounds)
     rows += resident_step_rows(args.rounds)
     rows += data_parallel_rows(args.rounds)
-    rows += host_bound_rows(args.rounds)
+    rows += host_bound_rows(args.rounds, {} if args.compile else None)
     print(
         table(
             rows,

@@ -221,11 +221,13 @@ def _optimizer(
         p, params_spec = _leaves(params)
         flat = [_leaves(getattr(state, field)) for field in buffers]
         state_leaves = [leaves for leaves, _ in flat]
-        if torch.compiler.is_compiling():
-            _verify_eagerly(name, call, grads, params, state, buffers)
-        else:
-            specs = [own for _, own in flat]
+        specs = [own for _, own in flat]
+        if not torch.compiler.is_compiling():
             _verify(name, call, grads, params, state, g, p, spec, params_spec, buffers, specs, state_leaves)
+        elif not _agree_compiled(spec, [params_spec, *specs], g, [p, *state_leaves]):
+            # (Traced, the test above decides once per compiled graph, which guards on what it
+            # read; only trees that differ break the graph, to be refused with _verify's words.)
+            _verify_eagerly(name, call, grads, params, state, buffers)
         return g, spec, p, params_spec, state_leaves, lr
 
     def stepped(call: str, grads: Tree, g: Leaves, *args: Any) -> tuple[Leaves, Any]:
@@ -466,13 +468,41 @@ def _verify(
             )
 
 
+def _agree_compiled(spec: Any, others: list[Any], g: Leaves, others_leaves: list[Leaves]) -> bool:
+    """Whether trees of structures ``others`` and leaves ``others_leaves`` are like the grads
+    (``spec``, ``g``), as :func:`_verify` requires, tested in a way dynamo traces: compiled,
+    the check is then part of the graph's guards instead of a graph break (each break in an
+    optimizer step, called inside a step function, made a resumed frame, with its own guards on
+    every tensor, of each function around it: on a CPU, the compiled one-replica step of a
+    small transformer took 2.5 ms against the eager step's 2.9 ms and 1.8 ms for the plain
+    step on ``torch.compile(model)``).
+
+    The structures are compared by node type and keys (:func:`_same_layout`), not by ``==``:
+    torch 2.11's dynamo cannot compare two specs (its stand-in for them compares their node
+    types' functions, which it cannot trace). Node data beyond the keys (a ``defaultdict``'s
+    factory, a custom node's metadata) is not compared, and changes no leaf's place."""
+    return all(_same_layout(spec, other) for other in others) and all(
+        _same_leaves(leaves, g) for leaves in others_leaves
+    )
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether the tree structures ``a`` and ``b`` have the same node types and keys, node by
+    node: the same leaves at the same places. (Public ``PyTreeSpec`` methods, which dynamo's
+    stand-in for optree's specs has too.)"""
+    if a.num_nodes != b.num_nodes or a.num_leaves != b.num_leaves or a.type is not b.type:
+        return False
+    if a.num_nodes == 1:
+        return True
+    return a.entries() == b.entries() and all(map(_same_layout, a.children(), b.children()))
+
+
 @eager_under_compile
 def _verify_eagerly(
     name: str, call: str, grads: Tree, params: Tree, state: Any, fields: tuple[str, ...]
 ) -> None:
-    """:func:`_verify` outside the graph, on the trees, while compiling: torch 2.11's dynamo
-    cannot compare two specs (its stand-in for them compares their node types' functions, which
-    it cannot trace)."""
+    """:func:`_verify` outside the graph, on the trees, where :func:`_agree_compiled` found
+    them unlike, for its messages."""
     g, spec = _leaves(grads)
     p, params_spec = _leaves(params)
     flat = [_leaves(getattr(state, field)) for field in fields]
@@ -1349,7 +1379,9 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
     p, spec = _leaves(params)
     u, other = _leaves(updates)
     if torch.compiler.is_compiling():
-        same_dtypes = _verify_updates_eagerly(params, updates)
+        # (As in an optimizer's step: traced, only trees that differ break the graph.)
+        agree = _same_layout(spec, other) and _same_leaves(u, p)
+        same_dtypes = agree or _verify_updates_eagerly(params, updates)
     else:
         same_dtypes = _verify_updates(params, updates, p, u, spec, other)
     new: Leaves = torch._foreach_add(p, u) if p else []  # torch._foreach_* refuse empty lists

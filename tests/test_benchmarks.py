@@ -62,6 +62,29 @@ def test_dispatch_measures_every_variant(tmp_path: Path) -> None:
     assert all(row["us_per_call"] > 0 for row in rows)
 
 
+def test_dispatch_compiles_the_host_bound_step_beside_the_compiled_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dispatch.py --compile``'s rows, with aot_eager rather than inductor (seconds, not a
+    minute): both compiled steps run, leave the plain step's parameters, and are timed."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("dispatch", ROOT / "benchmarks" / "dispatch.py")
+    assert spec is not None and spec.loader is not None
+    dispatch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dispatch)
+    torch._dynamo.reset()
+    try:
+        rows = dispatch.host_bound_rows(1, {"backend": "aot_eager"})
+    finally:
+        torch._dynamo.reset()
+    assert {row["variant"] for row in rows} >= {
+        "direct",
+        "direct, torch.compile",
+        "1 replicas, resident, torch.func, compiled, pmean donated",
+    }
+    assert all(row["us_per_call"] > 0 for row in rows)
+
+
 def test_training_measures_fdp_beside_ddp(tmp_path: Path) -> None:
     payload = run_script("training", "--model", "mlp", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
     variants = {row["variant"] for row in payload["rows"]}

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -1247,6 +1248,21 @@ def test_structure_check_runs_outside_the_graph_under_compile(monkeypatch: pytes
         opt.update({"a": torch.ones(2), "c": torch.ones(3)}, opt.init(params), params)
     with pytest.raises(ValueError, match="state whose momentum is"):
         opt.apply_gradients(params, opt.init({"a": torch.ones(2)}), params)
+    # Trees alike in keys and leaf count but not in node types, node by node.
+    for unlike in (
+        OrderedDict(params),
+        {"a": torch.ones(2), "b": (torch.ones(3),)},
+        {"a": [torch.ones(2)], "b": torch.ones(3)},
+    ):
+        with pytest.raises(ValueError, match="apply_gradients got params"):
+            opt.apply_gradients(unlike, opt.init(params), params)
+    nested = {"a": {"x": torch.ones(2)}, "b": None, "c": torch.ones(3)}
+    for unlike in (
+        {"a": {"y": torch.ones(2)}, "b": None, "c": torch.ones(3)},
+        {"a": {"x": torch.ones(2)}, "b": torch.ones(3), "c": None},
+    ):
+        with pytest.raises(ValueError, match="apply_gradients got (params|grads)"):
+            opt.apply_gradients(unlike, opt.init(nested), nested)
     with pytest.raises(
         ValueError, match=r"apply_gradients got state\.momentum\['a'\] of dtype torch\.float64"
     ):
