@@ -196,43 +196,12 @@ class _Packed:
         # The leaves as the caller passed them, for messages (psum_scatter and all_to_all pack
         # them reshaped).
         self.given = self.leaves if given is None else given
-        groups: dict[tuple[Any, ...], list[int]] = {}  # (device, dtype): leaf numbers
-        for k, leaf in enumerate(self.leaves):
-            if isinstance(leaf, torch.Tensor):
-                if (
-                    numbers == "float"
-                    and not (leaf.is_floating_point() or leaf.is_complex())
-                    # (refused below with the other reductions': psum, which this one's
-                    # message offers, takes no quantized tensor either)
-                    and not leaf.is_quantized
-                ):
-                    raise TypeError(
-                        f"{caller} averages floating-point tensors, but {self._path(k)} is "
-                        f"{_tree.describe(leaf)}; use fdp.psum for integer counts"
-                    )
-                if numbers == "ordered" and leaf.is_complex():
-                    raise TypeError(
-                        f"{caller} takes the elementwise extreme of real values, but {self._path(k)} "
-                        f"is {_tree.describe(leaf)}: complex numbers have no order"
-                    )
-                if numbers == "count" and leaf.dtype == torch.bool:
-                    leaf = self.leaves[k] = leaf.to(torch.int64)
-            elif isinstance(leaf, bool | int | float) or _numpy_number(leaf):
-                if not isinstance(leaf, bool | int | float):
-                    # np.float32, np.int64, np.bool_ (np.float64 is a float already): the
-                    # Python number, so that every NumPy scalar counts as one.
-                    leaf = leaf.item()
-                if numbers == "float":
-                    leaf = float(leaf)
-                elif numbers == "count" and isinstance(leaf, bool):
-                    leaf = int(leaf)
-                leaf = self.leaves[k] = torch.as_tensor(leaf, device=device)
-            else:
-                raise TypeError(
-                    f"{caller} takes trees of tensors (and numbers), but {self._path(k)} is a "
-                    f"{type(leaf).__name__}: {leaf!r}"
-                )
-            groups.setdefault((leaf.device, leaf.dtype), []).append(k)
+        # (device, dtype): leaf numbers. Tensors that need nothing done are grouped by calls in
+        # C, not a loop in Python (~10 µs less for 50 gradients, warm); any other tree is
+        # looked at leaf by leaf, which names the first bad one.
+        groups = _plain_tensor_groups(self.leaves, numbers)
+        if groups is None:
+            groups = self._grouped(caller, device, numbers)
         quantized = not _QUANTIZED.isdisjoint([dtype for _, dtype in groups])  # (rare: tested once)
         if numbers != "as_is" and quantized:
             # Checked once per dtype, not per leaf. A sum or extreme of quantized values has no
@@ -376,6 +345,48 @@ class _Packed:
         # leaves: psum_scatter's float32[4,8] cut into 4 pieces along dim 1 packs as [4,2,4].
         return layout._replace(describe=_distributed.layout_of(self.tree, self.treespec, self.given).describe)
 
+    def _grouped(self, caller: str, device: torch.device, numbers: str) -> dict[tuple[Any, ...], list[int]]:
+        """The leaves' numbers by (device, dtype), each leaf looked at (see :func:`_plain_tensor_groups`):
+        numbers made tensors, bools counted as ints, a leaf ``numbers`` refuses named."""
+        groups: dict[tuple[Any, ...], list[int]] = {}  # (device, dtype): leaf numbers
+        for k, leaf in enumerate(self.leaves):
+            if isinstance(leaf, torch.Tensor):
+                if (
+                    numbers == "float"
+                    and not (leaf.is_floating_point() or leaf.is_complex())
+                    # (refused below with the other reductions': psum, which this one's
+                    # message offers, takes no quantized tensor either)
+                    and not leaf.is_quantized
+                ):
+                    raise TypeError(
+                        f"{caller} averages floating-point tensors, but {self._path(k)} is "
+                        f"{_tree.describe(leaf)}; use fdp.psum for integer counts"
+                    )
+                if numbers == "ordered" and leaf.is_complex():
+                    raise TypeError(
+                        f"{caller} takes the elementwise extreme of real values, but {self._path(k)} "
+                        f"is {_tree.describe(leaf)}: complex numbers have no order"
+                    )
+                if numbers == "count" and leaf.dtype == torch.bool:
+                    leaf = self.leaves[k] = leaf.to(torch.int64)
+            elif isinstance(leaf, bool | int | float) or _numpy_number(leaf):
+                if not isinstance(leaf, bool | int | float):
+                    # np.float32, np.int64, np.bool_ (np.float64 is a float already): the
+                    # Python number, so that every NumPy scalar counts as one.
+                    leaf = leaf.item()
+                if numbers == "float":
+                    leaf = float(leaf)
+                elif numbers == "count" and isinstance(leaf, bool):
+                    leaf = int(leaf)
+                leaf = self.leaves[k] = torch.as_tensor(leaf, device=device)
+            else:
+                raise TypeError(
+                    f"{caller} takes trees of tensors (and numbers), but {self._path(k)} is a "
+                    f"{type(leaf).__name__}: {leaf!r}"
+                )
+            groups.setdefault((leaf.device, leaf.dtype), []).append(k)
+        return groups
+
     def private_buffers(self) -> list[torch.Tensor]:
         """The buffers, none sharing memory with a leaf: for replicas that read each other's
         buffers after the exchange, when the owner may already be changing its leaves."""
@@ -419,6 +430,31 @@ def _combinable(device: torch.device, dtype: torch.dtype, numbers: str) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _plain_tensor_groups(leaves: Sequence[Any], numbers: str) -> dict[tuple[Any, ...], list[int]] | None:
+    """The leaves' numbers by (device, dtype) where every leaf is a tensor that ``numbers``
+    takes as it is (see :class:`_Packed`); else None, for :meth:`_Packed._grouped` to look at
+    each leaf. (Quantized tensors are grouped here as there, and refused after, by dtype.)"""
+    if not all(map(isinstance, leaves, itertools.repeat(torch.Tensor))):
+        return None
+    keys = list(zip(map(_DEVICE, leaves), map(_DTYPE, leaves)))
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    if keys and keys.count(keys[0]) == len(keys):  # one device and dtype: the usual case
+        groups[keys[0]] = list(range(len(keys)))
+    else:
+        for k, key in enumerate(keys):
+            groups.setdefault(key, []).append(k)
+    for _, dtype in groups:
+        if numbers == "float" and not (dtype.is_floating_point or dtype.is_complex):
+            return None
+        if (numbers == "ordered" and dtype.is_complex) or (numbers == "count" and dtype == torch.bool):
+            return None
+    return groups
+
+
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _kept_as_they_are(leaves: Sequence[torch.Tensor]) -> bool:
