@@ -1379,7 +1379,8 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
     p, spec = _leaves(params)
     u, other = _leaves(updates)
     if torch.compiler.is_compiling():
-        # (As in an optimizer's step: traced, only trees that differ break the graph.)
+        # (As in an optimizer's step: traced, only trees that differ break the graph, and
+        # updates of another dtype than their parameters, which the eager check casts.)
         agree = _same_layout(spec, other) and _same_leaves(u, p)
         same_dtypes = agree or _verify_updates_eagerly(params, updates)
     else:

@@ -697,9 +697,9 @@ def test_a_compiled_step_with_a_label_for_a_whole_subtree(labels: Any, clipped: 
 def test_an_optimizer_step_compiles_in_one_piece(make: Any) -> None:
     """The check that grads, params and state are alike is traced, not a graph break: a break
     in a step called from a step function made a resumed frame of every function around it,
-    each with guards on every tensor (on a CPU, the compiled one-replica step of a small
-    transformer took 1.4× the time it takes without them). fullgraph=True refuses any break;
-    two steps, the state fed back, against eager bit for bit, through both spellings."""
+    each with guards on every tensor (see docs/benchmarks.md, the compiled host-bound step).
+    fullgraph=True refuses any break; two steps, the state fed back, against eager bit for bit,
+    through both spellings."""
     torch.manual_seed(0)
     params = {"w": torch.randn(3, 2), "b": torch.randn(2), "inner": {"v": torch.randn(4)}}
     grads = [optree.tree_map(torch.randn_like, params, namespace="fdp") for _ in range(2)]
