@@ -8,6 +8,8 @@ Variants, interleaved round by round:
 * ``fdp resident (2 cpu)``: fdp.pmap over 2 CPU replicas, state resident on both, gradients by
   torch.autograd inside each replica, one pmean;
 * ``fdp resident, torch.func (2 cpu)``: the same step with torch.func.grad;
+* ``fdp resident, fdp.grad (2 cpu)``: the same step with fdp.grad (torch.func.grad's gradients,
+  taken by autograd);
 * ``fdp DataParallel (2 cpu)``: fdp.DataParallel with torch.optim;
 * ``DDP gloo (2 procs)``: DistributedDataParallel in 2 processes (kept alive, driven by pipes);
 * ``DDP gloo, tuned (2 procs)``: the same with ``gradient_as_bucket_view=True`` and
@@ -206,6 +208,7 @@ def fdp_variants(
     resident = {
         "fdp resident (2 cpu)": make_step(autograd_grads),
         "fdp resident, torch.func (2 cpu)": make_step(torch.func.grad(loss_fn)),
+        "fdp resident, fdp.grad (2 cpu)": make_step(fdp.grad(loss_fn)),
     }
     if compiled:
         resident["fdp resident, torch.func, compiled (2 cpu)"] = make_step(torch.func.grad(loss_fn), True)

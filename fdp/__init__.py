@@ -10,6 +10,7 @@ The public API is re-exported here from private modules, one job each:
   :func:`psum_scatter`, :func:`all_to_all`, :func:`ppermute`, :func:`axis_index`,
   :func:`axis_size` (``_collectives``): collectives inside mapped functions.
 * :func:`functional_call` (``_functional_call``): a thread-safe ``torch.func.functional_call``.
+* :func:`grad`, :func:`value_and_grad` (``_grad``): ``torch.func.grad``, by autograd where it can.
 * :class:`SyncBatchNorm` (``_batch_norm``): batch normalization over the replicas of an axis.
 """
 
@@ -36,6 +37,7 @@ from ._collectives import (
 from ._data_parallel import DataParallel
 from ._functional_call import functional_call, stateful_call
 from ._gather import gather
+from ._grad import grad, value_and_grad
 from ._parallel_apply import parallel_apply
 from ._pmap import Pmapped, pmap
 from ._random import fold_in, replica_seed, rng_checkpoint_context, rng_scope
@@ -60,6 +62,7 @@ __all__ = [
     "fold_in",
     "functional_call",
     "gather",
+    "grad",
     "optim",
     "parallel_apply",
     "pmap",
@@ -76,4 +79,5 @@ __all__ = [
     "scatter",
     "stateful_call",
     "unreplicate",
+    "value_and_grad",
 ]

@@ -40,7 +40,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from . import _distributed, _replica, _split, _streams, _thread_state, _transfer, _tree
+from . import _distributed, _grad, _replica, _split, _streams, _thread_state, _transfer, _tree
 from ._compile import eager_under_compile, never_compiled
 
 __all__ = [
@@ -1281,9 +1281,9 @@ def _refuse_inner_backward(group: _replica.CallGroup, name: str) -> Any:
             raise RuntimeError(
                 f"torch.autograd was asked to differentiate through {name} inside the mapped "
                 "function, while the other replicas' parts of the graph are still being built. "
-                "Differentiate inside the mapped function with torch.func (grad, vjp, "
-                "grad_and_value), where collectives have JAX's transposes, or call backward() on "
-                "the pmapped function's output."
+                "Differentiate inside the mapped function with fdp.grad or torch.func (grad, "
+                "vjp, grad_and_value), where collectives have JAX's transposes, or call "
+                "backward() on the pmapped function's output."
             )
         return None
 
@@ -1349,7 +1349,9 @@ def _run(
     if donate is not False and donate is not True:
         _tree.check_flag(donate, f"{op.name}: donate")  # raises, naming the call
     context = _bound(axis_name, op.name)
-    transformed = torch._C._functorch.peek_interpreter_stack() is not None
+    # Differentiated inside the replica (torch.func.grad, or fdp.grad by autograd): the form
+    # whose backward is the transposed collective, which every replica runs in its own backward.
+    transformed = torch._C._functorch.peek_interpreter_stack() is not None or _grad.differentiating()
     lone = not transformed and context.group.size == 1 and op.keeps_lone_value(context.group, extra)
     packed = _Packed(tree, op.name, context.device, numbers, rows=rows, given=given, donated=lone and donate)
     if transformed:

@@ -1220,6 +1220,31 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"fdp needs torch 2.11 or newer, but torch 2.10.0\+cu128 is installed: upgrade it with pip "
         r"install 'torch>=2.11'",
     ),
+    (
+        # torch.func.grad's own words named neither fdp.grad nor what the value was.
+        "`fdp.grad` of a function that returns no scalar loss",
+        lambda: (torch.ones(2),),
+        lambda a: fdp.grad(lambda w: w * 2)(*a),
+        TypeError,
+        r"^fdp.grad\(fn\)\(\*args\): fn must return a real floating-point scalar tensor \(a loss\), got "
+        r"a tensor of shape \(2,\) and dtype torch.float32$",
+    ),
+    (
+        # By autograd, requires_grad_() refused it in torch's words, naming no argument.
+        "`fdp.grad` with respect to an argument holding integers",
+        lambda: ({"w": torch.ones(2), "step": torch.tensor(3)},),
+        lambda a: fdp.grad(lambda s: s["w"].sum())(*a),
+        TypeError,
+        r"^fdp.grad\(fn\)\(\*args\): args\[0\]\['step'\] is int64\[\]: the differentiated arguments "
+        r"must be trees of floating-point or complex tensors$",
+    ),
+    (
+        "`fdp.grad` with argnums of the wrong type or past the arguments",
+        lambda: (torch.ones(2), torch.ones(2)),
+        lambda a: fdp.grad(lambda w, x: (w * x).sum(), argnums=2)(*a),
+        TypeError,
+        r"^fdp.grad\(fn\)\(\*args\): argnums=2 is out of range for 2 positional arguments$",
+    ),
 ]
 
 # Entries of the catalogue that need what this file does not set up, and where they are tested.

@@ -1,0 +1,226 @@
+"""``fdp.grad`` and ``fdp.value_and_grad``: ``torch.func.grad``'s gradients, taken by autograd.
+
+``torch.func.grad`` wraps every input and every intermediate tensor for its transform, and pays
+for that on every op: for the small models of ``benchmarks/`` on a CPU its gradients cost 40-100%
+more than ``torch.autograd.grad``'s (see docs/benchmarks.md), a price a training step pays on
+every call. First-order gradients outside other transforms need none of it: these take them with
+``torch.autograd.grad`` on detached copies of the differentiated arguments, and are
+``torch.func.grad`` itself where its transform is what makes them right: inside
+``torch.compile`` (which traces ``torch.func.grad`` in one graph), inside a ``torch.func``
+transform (``vmap`` for per-example gradients), and inside another ``fdp.grad`` (gradients of
+gradients).
+
+Collectives called by the differentiated function take their differentiable form, with JAX's
+transposes, as under ``torch.func.grad`` (see ``fdp._collectives._run``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _tree
+
+__all__ = ["grad", "value_and_grad", "differentiating"]
+
+
+class _Depth(threading.local):
+    depth = 0  # fdp.grad functions running in this thread, one inside the other
+
+
+_local = _Depth()
+
+
+def differentiating() -> bool:
+    """Whether this thread runs a function that ``fdp.grad`` differentiates by autograd."""
+    return _local.depth > 0
+
+
+def grad(
+    fn: Callable[..., Any], *, argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """The gradient of ``fn`` with respect to its argument ``argnums``: ``torch.func.grad``,
+    faster where it can be.
+
+    ``fn`` returns a real scalar tensor (a loss); the gradient is a tree like the argument
+    (``fn(params, x, y)`` with a dict of parameters gives a dict of gradients). Outside other
+    transforms the gradients are taken with ``torch.autograd.grad`` on detached copies of the
+    argument's tensors, which for a small model costs a fraction of ``torch.func.grad``'s
+    per-op wrapping; inside ``torch.compile``, inside ``torch.func`` transforms (``vmap`` over
+    it for per-example gradients) and inside another ``fdp.grad`` it is ``torch.func.grad``.
+    Collectives in ``fn`` (``fdp.pmean`` of the loss, say) are differentiated as under
+    ``torch.func.grad``.
+
+    The gradients are not differentiable further by autograd (as ``torch.autograd.grad``'s
+    without ``create_graph``): for gradients of gradients nest ``fdp.grad`` (the inner one is
+    then ``torch.func.grad``) or use ``torch.func.grad``.
+
+    Args:
+        fn: the function to differentiate, returning a real scalar tensor (and, with
+            ``has_aux``, a ``(value, aux)`` pair).
+        argnums: the position of the argument to differentiate with respect to, or a tuple of
+            positions (the gradient is then a tuple, one tree per position). Its tensors must
+            be floating-point or complex. Default: ``0``.
+        has_aux: whether ``fn`` returns ``(value, aux)``; the gradient is then returned as
+            ``(grads, aux)``, with ``aux``'s tensors detached. Default: ``False``.
+
+    Returns:
+        A function of ``fn``'s arguments that returns the gradient (with ``aux``, as above).
+
+    Raises:
+        TypeError: ``argnums`` is not an int or a tuple of ints; a differentiated leaf is not a
+            floating-point or complex tensor; ``fn`` returns anything but a real scalar tensor
+            (or a pair with ``has_aux``).
+
+    Examples:
+        >>> import torch, fdp
+        >>> def loss_fn(params, x):
+        ...     return ((x @ params["w"]) ** 2).sum()
+        >>> fdp.grad(loss_fn)({"w": torch.ones(2)}, torch.tensor([[1.0, 2.0]]))
+        {'w': tensor([ 6., 12.])}
+
+        In a training step, the replica's gradients, then their mean over the replicas:
+
+        >>> @fdp.pmap(axis_name="i", devices=["cpu"] * 2, in_axes=(None, 0), out_axes=None)
+        ... def mean_grads(params, x):
+        ...     return fdp.pmean(fdp.grad(loss_fn)(params, x), "i", weight=x.shape[0])
+        >>> mean_grads({"w": torch.ones(2)}, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        {'w': tensor([24., 34.])}
+    """
+    return _transform(fn, argnums, has_aux, with_value=False, name="fdp.grad")
+
+
+def value_and_grad(
+    fn: Callable[..., Any], *, argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``fn``'s value and its gradient, as ``jax.value_and_grad`` (``torch.func.grad_and_value``
+    returns them the other way round): see :func:`grad`.
+
+    Args:
+        fn: as for :func:`grad`.
+        argnums: as for :func:`grad`. Default: ``0``.
+        has_aux: whether ``fn`` returns ``(value, aux)``: then ``((value, aux), grads)`` is
+            returned. Default: ``False``.
+
+    Returns:
+        A function of ``fn``'s arguments that returns ``(value, grads)``, the value detached.
+
+    Examples:
+        >>> import torch, fdp
+        >>> loss, grads = fdp.value_and_grad(lambda w: (w**2).sum())(torch.tensor([1.0, 2.0]))
+        >>> loss, grads
+        (tensor(5.), tensor([2., 4.]))
+    """
+    return _transform(fn, argnums, has_aux, with_value=True, name="fdp.value_and_grad")
+
+
+def _transform(
+    fn: Callable[..., Any], argnums: int | tuple[int, ...], has_aux: bool, *, with_value: bool, name: str
+) -> Callable[..., Any]:
+    if not callable(fn):
+        raise TypeError(f"{name}: fn must be callable, got {_tree.describe(fn)}: {_tree.short_repr(fn)}")
+    positions = _positions(argnums, name)
+    _tree.check_flag(has_aux, f"{name}: has_aux")
+
+    @functools.wraps(fn)
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        # is_compiling first: dynamo then traces torch.func.grad, and none of the rest.
+        if (
+            torch.compiler.is_compiling()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or _local.depth
+        ):
+            grads, value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+        else:
+            grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
+        return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
+
+    return transformed
+
+
+def _positions(argnums: Any, name: str) -> tuple[int, ...]:
+    """``argnums`` as a tuple of positions, checked."""
+    many = isinstance(argnums, tuple)
+    positions = argnums if many else (argnums,)
+    if (many and not positions) or not all(type(k) is int for k in positions):
+        raise TypeError(
+            f"{name}: argnums must be an int or a non-empty tuple of ints (the positions of the "
+            f"arguments to differentiate), got {_tree.short_repr(argnums)}"
+        )
+    return positions
+
+
+def _by_autograd(
+    fn: Callable[..., Any],
+    argnums: int | tuple[int, ...],
+    positions: tuple[int, ...],
+    has_aux: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str,
+) -> tuple[Any, Any]:
+    """``(grads, value)`` as ``torch.func.grad_and_value`` returns them, by autograd."""
+    if not all(-len(args) <= k < len(args) for k in positions):
+        raise TypeError(
+            f"{name}(fn)(*args): argnums={argnums!r} is out of range for {len(args)} positional arguments"
+        )
+    given = list(args)
+    trees = []  # (position, structure, the detached copies of its leaves)
+    for k in positions:
+        leaves, spec = _tree.flatten(given[k])
+        for i, leaf in enumerate(leaves):
+            if not (isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
+                path = _tree.flatten_with_paths(given[k], f"args[{k}]")[0][i]
+                raise TypeError(
+                    f"{name}(fn)(*args): {path} is {_tree.describe(leaf)}: the differentiated "
+                    "arguments must be trees of floating-point or complex tensors"
+                )
+        copies = [leaf.detach().requires_grad_() for leaf in leaves]
+        trees.append((k, spec, copies))
+        given[k] = _tree.unflatten(spec, copies)
+    _local.depth += 1
+    try:
+        with torch.enable_grad():
+            out = fn(*given, **kwargs)
+    finally:
+        _local.depth -= 1
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"{name}(fn, has_aux=True)(*args): fn must return a (value, aux) pair, got "
+                f"{_tree.describe(out)}: {_tree.short_repr(out)}"
+            )
+        value, aux = out
+    else:
+        value, aux = out, None
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point):
+        what = (
+            f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+            if isinstance(value, torch.Tensor)
+            else _tree.describe(value)
+        )
+        raise TypeError(
+            f"{name}(fn)(*args): fn must return a real floating-point scalar tensor (a loss), "
+            f"got {what}{' as its value' if has_aux else ''}"
+        )
+    inputs = [c for _, _, copies in trees for c in copies]
+    if value.requires_grad and inputs:
+        flat = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+    else:  # the value depends on none of them (torch.func.grad gives zeros too)
+        flat = tuple(torch.zeros_like(c) for c in inputs)
+    grads, start = [], 0
+    for _, spec, copies in trees:
+        grads.append(_tree.unflatten(spec, list(flat[start : start + len(copies)])))
+        start += len(copies)
+    result = tuple(grads) if isinstance(argnums, tuple) else grads[0]
+    value = value.detach()
+    return result, ((value, _detached(aux)) if has_aux else value)
+
+
+def _detached(tree: Any) -> Any:
+    leaves, spec = _tree.flatten(tree)
+    return _tree.unflatten(spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves])

@@ -1,0 +1,124 @@
+"""fdp.grad and fdp.value_and_grad: torch.func.grad's gradients (the oracle), by autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_trees_close
+from torch import nn
+
+import fdp
+
+
+def model_and_batch() -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return model, params, torch.randn(6, 4), torch.randint(0, 3, (6,))
+
+
+def loss_of(model: nn.Module):  # type: ignore[no-untyped-def]
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(fdp.functional_call(model, params, (x,)), y)
+
+    return loss
+
+
+def test_gradients_are_torch_func_grads_bit_for_bit() -> None:
+    model, params, x, y = model_and_batch()
+    loss = loss_of(model)
+    got = fdp.grad(loss)(params, x, y)
+    assert_trees_close(got, torch.func.grad(loss)(params, x, y), rtol=0, atol=0)
+    assert all(not g.requires_grad for g in got.values())
+    assert all(not p.requires_grad for p in params.values())  # the caller's tensors are untouched
+
+
+def test_argnums_has_aux_and_the_value() -> None:
+    model, params, x, y = model_and_batch()
+
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits = fdp.functional_call(model, params, (x,))
+        return nn.functional.cross_entropy(logits, y), {"logits": logits}
+
+    for argnums in (0, (0, 1), (1,)):
+        ours = fdp.value_and_grad(loss, argnums=argnums, has_aux=True)(params, x, y)
+        grads, (value, aux) = torch.func.grad_and_value(loss, argnums=argnums, has_aux=True)(params, x, y)
+        assert_trees_close(ours, ((value, aux), grads), rtol=0, atol=0)
+        assert isinstance(ours[1], tuple) == isinstance(argnums, tuple)
+        assert not ours[0][0].requires_grad and not ours[0][1]["logits"].requires_grad
+        only_grads, only_aux = fdp.grad(loss, argnums=argnums, has_aux=True)(params, x, y)
+        assert_trees_close((only_grads, only_aux), (grads, aux), rtol=0, atol=0)
+    value, grads = fdp.value_and_grad(lambda w: (w**2).sum())(torch.tensor([1.0, 2.0]))
+    assert value.item() == 5.0 and grads.tolist() == [2.0, 4.0]
+
+
+def test_unused_inputs_get_zeros_and_no_grad_mode_does_not_matter() -> None:
+    params = {"w": torch.ones(2), "unused": torch.ones(3)}
+    with torch.no_grad():
+        got = fdp.grad(lambda p: (p["w"] * 3).sum())(params)
+    assert got["w"].tolist() == [3.0, 3.0] and got["unused"].tolist() == [0.0] * 3
+    # A value that depends on none of the inputs: zeros, as torch.func.grad gives.
+    got = fdp.grad(lambda p: torch.tensor(1.0))(params)
+    assert_trees_close(got, torch.func.grad(lambda p: torch.tensor(1.0))(params), rtol=0, atol=0)
+
+
+def test_a_collective_inside_is_differentiated_as_under_torch_func_grad() -> None:
+    # pmean of the loss inside the differentiated function: its backward is the transposed
+    # collective on every replica. By plain autograd the collective's own hook would refuse it.
+    model, params, x, y = model_and_batch()
+    loss = loss_of(model)
+
+    def global_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return fdp.pmean(loss(params, x, y), "i", weight=x.shape[0]) + fdp.psum(params["0.bias"].sum(), "i")
+
+    results = {}
+    for name, grad in (("fdp", fdp.grad), ("torch.func", torch.func.grad)):
+        step = fdp.pmap(
+            lambda p, x, y, grad=grad: grad(global_loss)(p, x, y),
+            axis_name="i",
+            devices=["cpu"] * 3,
+            in_axes=(None, 0, 0),
+            out_axes=fdp.PER_REPLICA,
+        )
+        results[name] = step(params, x[:5], y[:5])  # shards of 2, 2 and 1 rows
+    for k in params:
+        for ours, theirs in zip(results["fdp"][k].values, results["torch.func"][k].values):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_gradients_of_gradients_nest() -> None:
+    f = lambda w: (w**3).sum()  # noqa: E731
+    w = torch.tensor([1.0, 2.0])
+    second = fdp.grad(lambda w: fdp.grad(f)(w).sum())(w)
+    assert_trees_close(second, torch.func.grad(lambda w: torch.func.grad(f)(w).sum())(w), rtol=0, atol=0)
+    assert second.tolist() == [6.0, 12.0]
+
+
+def test_under_vmap_it_is_torch_func_grad() -> None:
+    model, params, x, y = model_and_batch()
+    loss = loss_of(model)
+
+    def per_example(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss(params, x[None], y[None])
+
+    ours = torch.func.vmap(fdp.grad(per_example), in_dims=(None, 0, 0))(params, x, y)
+    theirs = torch.func.vmap(torch.func.grad(per_example), in_dims=(None, 0, 0))(params, x, y)
+    assert_trees_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_compiled_it_traces_in_one_graph() -> None:
+    model, params, x, y = model_and_batch()
+    loss = loss_of(model)
+    compiled = torch.compile(fdp.grad(loss), backend="aot_eager", fullgraph=True)
+    assert_trees_close(compiled(params, x, y), fdp.grad(loss)(params, x, y), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("argnums", [[0], (), 0.0])
+def test_argnums_is_checked_when_the_transform_is_built(argnums: object) -> None:
+    with pytest.raises(TypeError, match=r"^fdp.grad: argnums must be an int or a non-empty tuple of ints"):
+        fdp.grad(lambda w: w.sum(), argnums=argnums)  # type: ignore[arg-type]
+
+
+def test_has_aux_needs_a_pair() -> None:
+    with pytest.raises(TypeError, match=r"fn must return a \(value, aux\) pair, got"):
+        fdp.value_and_grad(lambda w: w.sum(), has_aux=True)(torch.ones(2))
