@@ -169,7 +169,7 @@ def _by_autograd(
             f"{name}(fn)(*args): argnums={argnums!r} is out of range for {len(args)} positional arguments"
         )
     given = list(args)
-    trees = []  # (position, structure, the detached copies of its leaves)
+    trees = []  # each differentiated argument's structure and the detached copies of its leaves
     for k in positions:
         leaves, spec = _tree.flatten(given[k])
         for i, leaf in enumerate(leaves):
@@ -180,7 +180,7 @@ def _by_autograd(
                     "arguments must be trees of floating-point or complex tensors"
                 )
         copies = [leaf.detach().requires_grad_() for leaf in leaves]
-        trees.append((k, spec, copies))
+        trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
     _local.depth += 1
     try:
@@ -207,13 +207,13 @@ def _by_autograd(
             f"{name}(fn)(*args): fn must return a real floating-point scalar tensor (a loss), "
             f"got {what}{' as its value' if has_aux else ''}"
         )
-    inputs = [c for _, _, copies in trees for c in copies]
+    inputs = [c for _, copies in trees for c in copies]
     if value.requires_grad and inputs:
         flat = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
     else:  # the value depends on none of them (torch.func.grad gives zeros too)
         flat = tuple(torch.zeros_like(c) for c in inputs)
     grads, start = [], 0
-    for _, spec, copies in trees:
+    for spec, copies in trees:
         grads.append(_tree.unflatten(spec, list(flat[start : start + len(copies)])))
         start += len(copies)
     result = tuple(grads) if isinstance(argnums, tuple) else grads[0]
