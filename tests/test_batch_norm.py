@@ -436,10 +436,11 @@ def test_activation_checkpointing_alone_on_one_device_is_a_plain_batch_norms(
         torch.testing.assert_close(buffers[name], want_buffers[name], msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_differentiated_inside_the_replicas_on_uneven_shards_with_the_documented_recipe() -> None:
-    # docs/training.md: under torch.func.grad the layer's exchange couples the replicas' losses,
-    # so each replica differentiates its share of the whole batch's mean loss and the gradients
-    # are summed (a pmean weighted by rows is right for equal shards only).
+@pytest.mark.parametrize("grad", [torch.func.grad, fdp.grad], ids=["torch.func.grad", "fdp.grad"])
+def test_differentiated_inside_the_replicas_on_uneven_shards_with_the_documented_recipe(grad: Any) -> None:
+    # docs/training.md: under torch.func.grad or fdp.grad the layer's exchange couples the
+    # replicas' losses, so each replica differentiates its share of the whole batch's mean loss
+    # and the gradients are summed (a pmean weighted by rows is right for equal shards only).
     model = make_model(nn.BatchNorm2d).double()
     x = input_for(nn.BatchNorm2d, 10)
     target = torch.linspace(-1, 1, 10 * 2 * 3 * 2, dtype=torch.float64).reshape(10, 2, 3, 2)
@@ -457,7 +458,7 @@ def test_differentiated_inside_the_replicas_on_uneven_shards_with_the_documented
             y, _ = fdp.stateful_call(synced, params, buffers, (x,))
             return (y - target).square().mean((1, 2, 3)).sum() / rows
 
-        return fdp.psum(torch.func.grad(loss_fn)(params), "batch")
+        return fdp.psum(grad(loss_fn)(params), "batch")
 
     grads = gradient(params, buffers, x, target)  # shards of 4, 3, 3
     for name, p in want_model.named_parameters():
