@@ -95,6 +95,9 @@ def collectives(rank: int, world: int, folder: str) -> None:
         # torch.func.grad inside the replicas: psum's transpose spans the processes too.
         inner = f(lambda x: torch.func.grad(lambda x: fdp.psum(x.square().sum(), "i"))(x))(shard)
         out["inner_grad"] = inner.flatten().tolist()
+        # fdp.grad (autograd, with the collectives in their differentiable form) alike.
+        inner = f(lambda x: fdp.grad(lambda x: fdp.psum(x.square().sum(), "i"))(x))(shard)
+        out["inner_grad_fdp"] = inner.flatten().tolist()
         # The same for all_gather: outer backward, and its transpose (psum_scatter) inside.
         c = torch.arange(1.0, 5.0)
         w = torch.tensor(2.0, requires_grad=True)
@@ -103,6 +106,8 @@ def collectives(rank: int, world: int, folder: str) -> None:
         out["all_gather_outer_grad"] = float(w.grad)
         inner = f(lambda x: torch.func.grad(lambda x: (fdp.all_gather(x.sum(), "i") * c).sum())(x))(shard)
         out["all_gather_inner_grad"] = inner.flatten().tolist()
+        inner = f(lambda x: fdp.grad(lambda x: (fdp.all_gather(x.sum(), "i") * c).sum())(x))(shard)
+        out["all_gather_inner_grad_fdp"] = inner.flatten().tolist()
         # psum_scatter and all_to_all over the 4 replicas, and their transposes inside.
         a = torch.arange(1.0, 5.0)
         out["psum_scatter"] = f(lambda x: fdp.psum_scatter(x.sum() * a, "i"))(shard).tolist()

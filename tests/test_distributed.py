@@ -87,6 +87,7 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
     whole = torch.nn.functional.batch_norm(torch.cat([x, x.square()], 1), None, None, training=True)
     torch.testing.assert_close(torch.tensor(rank0["sync_batch_norm"] + rank1["sync_batch_norm"]), whole)
     assert rank0["inner_grad"] == [4 * 2 * v for v in (1.0, 2, 3, 4)]  # psum's transpose: 4 replicas
+    assert all(r["inner_grad_fdp"] == r["inner_grad"] for r in results)  # fdp.grad: the same
     # all_gather of the replicas' sums 3, 7, 11, 15 (times w), weighed by c = 1..4: every rank's
     # backward sums both ranks' cotangents (2 c), each rank's w takes its own replicas' share.
     assert rank0["all_gather_outer_grad"] == pytest.approx(2 * (1 * 3 + 2 * 7))
@@ -94,6 +95,7 @@ def test_collectives_span_every_replica_of_every_process(tmp_path: Path) -> None
     # Inside, the transpose (psum_scatter) hands replica r the 4 replicas' cotangent c_r per row.
     assert rank0["all_gather_inner_grad"] == [4.0, 4.0, 8.0, 8.0]
     assert rank1["all_gather_inner_grad"] == [12.0, 12.0, 16.0, 16.0]
+    assert all(r["all_gather_inner_grad_fdp"] == r["all_gather_inner_grad"] for r in results)
     # psum_scatter of s_j * [1, 2, 3, 4] (s_j = 3, 7, 11, 15: replica j's sum): replica r gets
     # 36 * (r + 1); inside torch.func.grad, with loss_r = c_r times that, every row's gradient is
     # sum_r (r + 1) c_r = 30 (the transpose, all_gather, spans the processes).
