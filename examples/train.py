@@ -104,7 +104,8 @@ def build_steps(model: nn.Module, opt: optim.GradientTransformation, devices: li
                 logits, buffers = fdp.stateful_call(model, params, state["buffers"], (x,))
             return F.cross_entropy(logits, y), buffers
 
-        grads, (loss, buffers) = torch.func.grad_and_value(loss_fn, has_aux=True)(state["params"])
+        # JAX's order: the value (here with the new buffers), then the gradients.
+        (loss, buffers), grads = fdp.value_and_grad(loss_fn, has_aux=True)(state["params"])
         statistics = {k: v for k, v in buffers.items() if v.is_floating_point()}
         # The one exchange of the step: gradients, loss and BatchNorm statistics, averaged with
         # each replica weighted by its number of rows.
