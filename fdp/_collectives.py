@@ -1188,7 +1188,7 @@ class _Spmd(torch.autograd.Function):
         device = _backward_device(grads, context.device)
         if _shares_backward_thread(context, device):
             raise RuntimeError(
-                f"{op.name}'s backward inside a torch.func transform cannot run on replicas "
+                f"{op.name}'s backward inside fdp.grad or a torch.func transform cannot run on replicas "
                 f"that share {device} (the call's devices: "
                 f"{', '.join(str(d) for d in context.group.devices)}): torch's autograd engine "
                 f"runs the backward of each {device.type} device on one thread of its own, where "

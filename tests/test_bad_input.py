@@ -1249,7 +1249,7 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
 
 # Entries of the catalogue that need what this file does not set up, and where they are tested.
 TESTED_APART = {
-    "a collective differentiated under `torch.func` on replicas that share a GPU": (
+    "a collective differentiated under `fdp.grad` or `torch.func` on replicas that share a GPU": (
         "tests/test_cuda.py",
         "tests/test_collectives.py",
     ),

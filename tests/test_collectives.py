@@ -985,14 +985,18 @@ def test_a_failing_replica_releases_the_others(where: str) -> None:
     )
 
 
+@pytest.mark.parametrize("grad", [torch.func.grad, fdp.grad], ids=["torch.func.grad", "fdp.grad"])
 def test_a_backward_collective_that_would_wait_on_its_own_thread_raises(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, grad: Any
 ) -> None:
     # Replicas sharing a GPU run their backward passes on one engine thread (see test_cuda);
     # here the check is forced on CPU replicas: every replica fails cleanly, none waits.
     monkeypatch.setattr(_collectives, "_shares_backward_thread", lambda context, device: True)
-    step = per_row(lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x))
-    with pytest.raises(RuntimeError, match=r"fdp.psum's backward .* cannot run on replicas that share"):
+    step = per_row(lambda x: grad(lambda x: fdp.psum((x**2).sum(), "i"))(x))
+    with pytest.raises(
+        RuntimeError,
+        match=r"fdp.psum's backward inside fdp.grad or a torch.func transform cannot run on replicas",
+    ):
         finishes(lambda: step(rows()))
     monkeypatch.undo()
     torch.testing.assert_close(finishes(lambda: step(rows())), N * 2 * rows())

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,15 +226,16 @@ def test_gpu_backward_runs_on_the_engines_device_thread() -> None:
     assert seen and seen[0] != threading.get_ident()
 
 
-def test_grad_of_psum_on_two_replicas_of_one_gpu_raises_instead_of_hanging() -> None:
+@pytest.mark.parametrize("grad", [torch.func.grad, fdp.grad], ids=["torch.func.grad", "fdp.grad"])
+def test_grad_of_psum_on_two_replicas_of_one_gpu_raises_instead_of_hanging(grad: Any) -> None:
     step = fdp.pmap(
-        lambda x: torch.func.grad(lambda x: fdp.psum((x**2).sum(), "i"))(x), axis_name="i", devices=TWO_ON_ONE
+        lambda x: grad(lambda x: fdp.psum((x**2).sum(), "i"))(x), axis_name="i", devices=TWO_ON_ONE
     )
     with pytest.raises(RuntimeError, match="cannot run on replicas that share cuda:0"):
         finishes(lambda: step(torch.ones(2, 3, device="cuda")))
     # The same collective on CPU tensors runs its backward in each replica's own thread.
     on_cpu = fdp.pmap(
-        lambda x: torch.func.grad(lambda x: fdp.psum((x.cpu() ** 2).sum(), "i"))(x),
+        lambda x: grad(lambda x: fdp.psum((x.cpu() ** 2).sum(), "i"))(x),
         axis_name="i",
         devices=TWO_ON_ONE,
     )
