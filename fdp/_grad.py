@@ -134,7 +134,12 @@ def _transform(
             or torch._C._functorch.peek_interpreter_stack() is not None
             or _local.depth
         ):
-            grads, value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                grads, value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)(
+                    *args, **kwargs
+                )
+            else:
+                grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
         else:
             grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
@@ -164,21 +169,9 @@ def _by_autograd(
     name: str,
 ) -> tuple[Any, Any]:
     """``(grads, value)`` as ``torch.func.grad_and_value`` returns them, by autograd."""
-    if not all(-len(args) <= k < len(args) for k in positions):
-        raise TypeError(
-            f"{name}(fn)(*args): argnums={argnums!r} is out of range for {len(args)} positional arguments"
-        )
     given = list(args)
     trees = []  # each differentiated argument's structure and the detached copies of its leaves
-    for k in positions:
-        leaves, spec = _tree.flatten(given[k])
-        for i, leaf in enumerate(leaves):
-            if not (isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
-                path = _tree.flatten_with_paths(given[k], f"args[{k}]")[0][i]
-                raise TypeError(
-                    f"{name}(fn)(*args): {path} is {_tree.describe(leaf)}: the differentiated "
-                    "arguments must be trees of floating-point or complex tensors"
-                )
+    for k, (leaves, spec) in zip(positions, _differentiated(argnums, positions, args, name)):
         copies = [leaf.detach().requires_grad_() for leaf in leaves]
         trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
@@ -188,15 +181,7 @@ def _by_autograd(
             out = fn(*given, **kwargs)
     finally:
         _local.depth -= 1
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"{name}(fn, has_aux=True)(*args): fn must return a (value, aux) pair, got "
-                f"{_tree.describe(out)}: {_tree.short_repr(out)}"
-            )
-        value, aux = out
-    else:
-        value, aux = out, None
+    value, aux = _value_and_aux(out, has_aux, name)
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point):
         what = (
             f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -219,6 +204,85 @@ def _by_autograd(
     result = tuple(grads) if isinstance(argnums, tuple) else grads[0]
     value = value.detach()
     return result, ((value, _detached(aux)) if has_aux else value)
+
+
+def _differentiated(
+    argnums: int | tuple[int, ...], positions: tuple[int, ...], args: tuple[Any, ...], name: str
+) -> list[tuple[list[torch.Tensor], Any]]:
+    """The leaves and structure of each differentiated argument, flattened in fdp's namespace
+    (plain dataclasses and ``None`` are nodes there), checked."""
+    if not all(-len(args) <= k < len(args) for k in positions):
+        raise TypeError(
+            f"{name}(fn)(*args): argnums={argnums!r} is out of range for {len(args)} positional arguments"
+        )
+    flat = []
+    for k in positions:
+        leaves, spec = _tree.flatten(args[k])
+        for i, leaf in enumerate(leaves):
+            if not (isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
+                path = _tree.flatten_with_paths(args[k], f"args[{k}]")[0][i]
+                raise TypeError(
+                    f"{name}(fn)(*args): {path} is {_tree.describe(leaf)}: the differentiated "
+                    "arguments must be trees of floating-point or complex tensors"
+                )
+        flat.append((leaves, spec))
+    return flat
+
+
+def _value_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"{name}(fn, has_aux=True)(*args): fn must return a (value, aux) pair, got "
+            f"{_tree.describe(out)}: {_tree.short_repr(out)}"
+        )
+    return out
+
+
+def _by_func(
+    fn: Callable[..., Any],
+    argnums: int | tuple[int, ...],
+    positions: tuple[int, ...],
+    has_aux: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str,
+) -> tuple[Any, Any]:
+    """``(grads, value)`` by ``torch.func.grad_and_value``, on trees as fdp flattens them.
+
+    torch.func flattens with torch's pytrees, where a plain dataclass or ``None`` is a leaf it
+    refuses ("must be Tensor"), and takes only tensors in ``aux``: given the leaves of fdp's
+    trees, it differentiates the arguments and returns the ``aux`` that the autograd path does.
+    """
+    flat = _differentiated(argnums, positions, args, name)
+    aux_rest: list[tuple[Any, list[Any], list[bool]]] = []  # aux's structure and non-tensor leaves
+
+    def on_leaves(*leaf_lists: list[torch.Tensor]) -> Any:
+        given = list(args)
+        for k, (_, spec), leaves in zip(positions, flat, leaf_lists):
+            given[k] = _tree.unflatten(spec, leaves)
+        value, aux = _value_and_aux(fn(*given, **kwargs), has_aux, name)
+        if not has_aux:
+            return value
+        leaves, spec = _tree.flatten(aux)
+        tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        aux_rest.append((spec, leaves, tensor))
+        return value, [leaf for leaf, t in zip(leaves, tensor) if t]
+
+    grads, value = torch.func.grad_and_value(on_leaves, argnums=tuple(range(len(flat))), has_aux=has_aux)(
+        *(leaves for leaves, _ in flat)
+    )
+    trees = tuple(_tree.unflatten(spec, list(g)) for (_, spec), g in zip(flat, grads))
+    if has_aux:
+        value, tensors = value
+        spec, leaves, tensor = aux_rest[-1]
+        returned = iter(tensors)
+        value = (
+            value,
+            _tree.unflatten(spec, [next(returned) if t else leaf for leaf, t in zip(leaves, tensor)]),
+        )
+    return (trees if isinstance(argnums, tuple) else trees[0]), value
 
 
 def _detached(tree: Any) -> Any:

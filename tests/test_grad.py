@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import assert_trees_close
@@ -104,6 +106,32 @@ def test_under_vmap_it_is_torch_func_grad() -> None:
     ours = torch.func.vmap(fdp.grad(per_example), in_dims=(None, 0, 0))(params, x, y)
     theirs = torch.func.vmap(torch.func.grad(per_example), in_dims=(None, 0, 0))(params, x, y)
     assert_trees_close(ours, theirs, rtol=0, atol=0)
+
+
+@dataclasses.dataclass
+class _Params:  # a plain dataclass: a node for fdp, a leaf for torch.func's pytrees
+    w: torch.Tensor
+    frozen: None
+
+
+def test_nested_and_under_vmap_it_takes_the_trees_of_the_autograd_path() -> None:
+    # There it is torch.func.grad, whose pytrees would refuse a dataclass or a None ("must be
+    # Tensor") and a non-tensor in aux: given fdp's leaves, it takes what fdp.grad takes alone.
+    w = torch.tensor([1.0, 2.0])
+
+    def f(p: _Params) -> tuple[torch.Tensor, dict]:
+        return (p.w**3).sum(), {"rows": 2, "w": p.w}
+
+    def first(p: _Params) -> torch.Tensor:
+        (value, aux), grads = fdp.value_and_grad(f, has_aux=True)(p)
+        assert aux["rows"] == 2 and isinstance(grads, _Params) and grads.frozen is None
+        return grads.w.sum()
+
+    second = fdp.grad(first)(_Params(w, None))
+    assert isinstance(second, _Params) and second.frozen is None
+    assert second.w.tolist() == [6.0, 12.0]
+    per_row = torch.func.vmap(lambda w: fdp.grad(first)(_Params(w, None)).w)(torch.stack([w, 2 * w]))
+    assert per_row.tolist() == [[6.0, 12.0], [12.0, 24.0]]
 
 
 def test_compiled_it_traces_in_one_graph() -> None:
