@@ -75,6 +75,7 @@ def grad(
         TypeError: ``argnums`` is not an int or a tuple of ints; a differentiated leaf is not a
             floating-point or complex tensor; ``fn`` returns anything but a real scalar tensor
             (or a pair with ``has_aux``).
+        ValueError: ``argnums`` names one argument twice (``(1, -1)`` for two arguments).
 
     Examples:
         >>> import torch, fdp
@@ -171,7 +172,8 @@ def _by_autograd(
     """``(grads, value)`` as ``torch.func.grad_and_value`` returns them, by autograd."""
     given = list(args)
     trees = []  # each differentiated argument's structure and the detached copies of its leaves
-    for k, (leaves, spec) in zip(positions, _differentiated(argnums, positions, args, name)):
+    positions, arguments = _differentiated(argnums, positions, args, name)
+    for k, (leaves, spec) in zip(positions, arguments):
         copies = [leaf.detach().requires_grad_() for leaf in leaves]
         trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
@@ -208,12 +210,22 @@ def _by_autograd(
 
 def _differentiated(
     argnums: int | tuple[int, ...], positions: tuple[int, ...], args: tuple[Any, ...], name: str
-) -> list[tuple[list[torch.Tensor], Any]]:
-    """The leaves and structure of each differentiated argument, flattened in fdp's namespace
-    (plain dataclasses and ``None`` are nodes there), checked."""
+) -> tuple[tuple[int, ...], list[tuple[list[torch.Tensor], Any]]]:
+    """The differentiated positions, counted from the start, and the leaves and structure of
+    each differentiated argument, flattened in fdp's namespace (plain dataclasses and ``None``
+    are nodes there), checked."""
     if not all(-len(args) <= k < len(args) for k in positions):
         raise TypeError(
             f"{name}(fn)(*args): argnums={argnums!r} is out of range for {len(args)} positional arguments"
+        )
+    # Counted from the end or not, each position once: the second copy of a repeated argument
+    # would replace the first in fn's arguments, and the first's gradient be silently zero.
+    positions = tuple(k % len(args) for k in positions)
+    if len(set(positions)) < len(positions):
+        twice = next(k for k in positions if positions.count(k) > 1)
+        raise ValueError(
+            f"{name}(fn)(*args): argnums={argnums!r} names args[{twice}] twice: each argument "
+            "is differentiated once, so give each position once"
         )
     flat = []
     for k in positions:
@@ -226,7 +238,7 @@ def _differentiated(
                     "arguments must be trees of floating-point or complex tensors"
                 )
         flat.append((leaves, spec))
-    return flat
+    return positions, flat
 
 
 def _value_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:
@@ -255,7 +267,7 @@ def _by_func(
     refuses ("must be Tensor"), and takes only tensors in ``aux``: given the leaves of fdp's
     trees, it differentiates the arguments and returns the ``aux`` that the autograd path does.
     """
-    flat = _differentiated(argnums, positions, args, name)
+    positions, flat = _differentiated(argnums, positions, args, name)
     aux_rest: list[tuple[Any, list[Any], list[bool]]] = []  # aux's structure and non-tensor leaves
 
     def on_leaves(*leaf_lists: list[torch.Tensor]) -> Any:

@@ -1245,6 +1245,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"^fdp.grad\(fn\)\(\*args\): argnums=2 is out of range for 2 positional arguments$",
     ),
+    (
+        # The second copy of the argument replaced the first: the first's gradient was zeros.
+        "`fdp.grad` with argnums naming one argument twice",
+        lambda: (torch.ones(2), torch.ones(2)),
+        lambda a: fdp.grad(lambda w, x: (w * x).sum(), argnums=(1, -1))(*a),
+        ValueError,
+        r"^fdp.grad\(fn\)\(\*args\): argnums=\(1, -1\) names args\[1\] twice: each argument is "
+        r"differentiated once, so give each position once$",
+    ),
 ]
 
 # Entries of the catalogue that need what this file does not set up, and where they are tested.
