@@ -23,21 +23,30 @@ from typing import Any
 
 import torch
 
-from . import _tree
+from . import _replica, _tree
 
 __all__ = ["grad", "value_and_grad", "differentiating"]
 
 
-class _Depth(threading.local):
-    depth = 0  # fdp.grad functions running in this thread, one inside the other
+_NONE = object()  # no fdp.grad by autograd is running in this thread
 
 
-_local = _Depth()
+class _Running(threading.local):
+    # The replica (None outside mapped functions) in which this thread's innermost fdp.grad by
+    # autograd runs its function. A replica, not a count: a pmap (or DataParallel) called inside
+    # that function runs its replica 0 in this same thread, and that replica's collectives must
+    # take the form of its siblings' on the workers, which fdp.grad does not differentiate (the
+    # whole pmapped call is differentiated as by loss.backward()).
+    replica: object = _NONE
+
+
+_local = _Running()
 
 
 def differentiating() -> bool:
-    """Whether this thread runs a function that ``fdp.grad`` differentiates by autograd."""
-    return _local.depth > 0
+    """Whether this thread runs, in the current replica, a function that ``fdp.grad``
+    differentiates by autograd."""
+    return _local.replica is _replica.current()
 
 
 def grad(
@@ -53,7 +62,8 @@ def grad(
     per-op wrapping; inside ``torch.compile``, inside ``torch.func`` transforms (``vmap`` over
     it for per-example gradients) and inside another ``fdp.grad`` it is ``torch.func.grad``.
     Collectives in ``fn`` (``fdp.pmean`` of the loss, say) are differentiated as under
-    ``torch.func.grad``.
+    ``torch.func.grad``. A ``fdp.pmap`` or ``fdp.DataParallel`` called by ``fn`` (which
+    ``torch.func.grad`` refuses) is differentiated as a whole, as ``loss.backward()`` does.
 
     The gradients are not differentiable further by autograd (as ``torch.autograd.grad``'s
     without ``create_graph``): for gradients of gradients nest ``fdp.grad`` (the inner one is
@@ -133,7 +143,7 @@ def _transform(
         if (
             torch.compiler.is_compiling()
             or torch._C._functorch.peek_interpreter_stack() is not None
-            or _local.depth
+            or _local.replica is _replica.current()
         ):
             if torch.compiler.is_compiling():
                 grads, value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)(
@@ -177,12 +187,12 @@ def _by_autograd(
         copies = [leaf.detach().requires_grad_() for leaf in leaves]
         trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
-    _local.depth += 1
+    outer, _local.replica = _local.replica, _replica.current()
     try:
         with torch.enable_grad():
             out = fn(*given, **kwargs)
     finally:
-        _local.depth -= 1
+        _local.replica = outer
     value, aux = _value_and_aux(out, has_aux, name)
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point):
         what = (

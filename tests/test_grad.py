@@ -88,6 +88,27 @@ def test_a_collective_inside_is_differentiated_as_under_torch_func_grad() -> Non
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
+def test_a_pmap_inside_is_differentiated_as_by_backward() -> None:
+    # The pmapped call's replica 0 runs in fdp.grad's own thread: its collectives must take the
+    # form of the other replicas' (differentiated as a whole by autograd, as loss.backward()
+    # does), not the form of collectives fdp.grad differentiates inside a replica.
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    centred = fdp.pmap(
+        lambda w, x: (x @ w) - fdp.pmean((x @ w).mean(), "i"),
+        axis_name="i",
+        devices=["cpu"] * 2,
+        in_axes=(None, 0),
+    )
+
+    def one_device(w: torch.Tensor) -> torch.Tensor:  # the shards have 3 and 2 rows
+        h = x @ w
+        return ((h - (h[:3].mean() + h[3:].mean()) / 2) ** 2).sum()
+
+    w = torch.tensor([1.0, 2.0, 3.0])
+    got = fdp.grad(lambda w: (centred(w, x) ** 2).sum())(w)
+    torch.testing.assert_close(got, torch.func.grad(one_device)(w))
+
+
 def test_gradients_of_gradients_nest() -> None:
     f = lambda w: (w**3).sum()  # noqa: E731
     w = torch.tensor([1.0, 2.0])
