@@ -151,6 +151,11 @@ def _transform(
                 )
             else:
                 grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
+        elif torch.is_inference_mode_enabled():
+            # Inference mode records no graph, enable_grad or not: the value would not require
+            # grad and the gradients would be silently zero. torch.func.grad's are taken anyway.
+            with torch.inference_mode(False):
+                grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
         else:
             grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
@@ -184,7 +189,11 @@ def _by_autograd(
     trees = []  # each differentiated argument's structure and the detached copies of its leaves
     positions, arguments = _differentiated(argnums, positions, args, name)
     for k, (leaves, spec) in zip(positions, arguments):
-        copies = [leaf.detach().requires_grad_() for leaf in leaves]
+        # An inference tensor (made under torch.inference_mode) cannot require grad; a clone
+        # of it made outside inference mode can, as torch.func.grad differentiates it too.
+        copies = [
+            (leaf.clone() if leaf.is_inference() else leaf.detach()).requires_grad_() for leaf in leaves
+        ]
         trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
     outer, _local.replica = _local.replica, _replica.current()

@@ -64,6 +64,18 @@ def test_unused_inputs_get_zeros_and_no_grad_mode_does_not_matter() -> None:
     assert_trees_close(got, torch.func.grad(lambda p: torch.tensor(1.0))(params), rtol=0, atol=0)
 
 
+def test_inference_mode_and_inference_tensors_are_differentiated_as_by_torch_func_grad() -> None:
+    # Under inference mode autograd records nothing, enable_grad or not: the gradients were
+    # zeros. An inference tensor cannot require grad: differentiating one was refused.
+    f = lambda w, b: (w**2).sum() + (w * b).sum()  # noqa: E731
+    w, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    expected = torch.func.grad(f, argnums=(0, 1))(w, b)
+    with torch.inference_mode():
+        assert_trees_close(fdp.grad(f, argnums=(0, 1))(w, b), expected, rtol=0, atol=0)
+        inference_w, inference_b = w.clone(), b.clone()
+    assert_trees_close(fdp.grad(f, argnums=(0, 1))(inference_w, inference_b), expected, rtol=0, atol=0)
+
+
 def test_a_collective_inside_is_differentiated_as_under_torch_func_grad() -> None:
     # pmean of the loss inside the differentiated function: its backward is the transposed
     # collective on every replica. By plain autograd the collective's own hook would refuse it.
