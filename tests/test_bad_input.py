@@ -1032,6 +1032,13 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"^fdp.all_gather: tiled must be True or False, got int: 1\n",
     ),
     (
+        "an option that is True or False given something else",
+        lambda: (),
+        lambda a: fdp.value_and_grad(lambda w: w.sum(), has_aux=1),
+        TypeError,
+        r"^fdp.value_and_grad: has_aux must be True or False, got int: 1$",
+    ),
+    (
         "a `torch.compile`d module where a private copy would run it",
         lambda: (torch.zeros(1, 2),),
         lambda a: fdp.functional_call(nn.Sequential(torch.compile(nn.Linear(2, 2))), {}, a),
@@ -1244,6 +1251,13 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: fdp.grad(lambda w, x: (w * x).sum(), argnums=2)(*a),
         TypeError,
         r"^fdp.grad\(fn\)\(\*args\): argnums=2 is out of range for 2 positional arguments$",
+    ),
+    (
+        "`fdp.grad` of something that is not a function",
+        lambda: (),
+        lambda a: fdp.grad(torch.ones(2)),
+        TypeError,
+        r"^fdp.grad: fn must be callable, got float32\[2\]: tensor\(\[1\., 1\.\]\)$",
     ),
     (
         # The second copy of the argument replaced the first: the first's gradient was zeros.
