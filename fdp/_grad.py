@@ -139,18 +139,14 @@ def _transform(
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        # is_compiling first: dynamo then traces torch.func.grad, and none of the rest.
+        # is_compiling first: dynamo then traces torch.func.grad (on fdp's leaves), and none of
+        # the rest.
         if (
             torch.compiler.is_compiling()
             or torch._C._functorch.peek_interpreter_stack() is not None
             or _local.replica is _replica.current()
         ):
-            if torch.compiler.is_compiling():
-                grads, value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)(
-                    *args, **kwargs
-                )
-            else:
-                grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
+            grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
         elif torch.is_inference_mode_enabled():
             # Inference mode records no graph, enable_grad or not: the value would not require
             # grad and the gradients would be silently zero. torch.func.grad's are taken anyway.

@@ -174,6 +174,21 @@ def test_compiled_it_traces_in_one_graph() -> None:
     assert_trees_close(compiled(params, x, y), fdp.grad(loss)(params, x, y), rtol=1e-6, atol=1e-7)
 
 
+def test_compiled_it_takes_the_trees_it_takes_eagerly() -> None:
+    # A None leaf in the argument and a non-tensor in aux, which torch.func.grad given them
+    # directly refuses: compiled, it is given fdp's leaves, as nested or under vmap.
+    def f(p: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return ((p["w"] * x) ** 2).sum(), {"rows": x.shape[0], "w": p["w"]}
+
+    transform = fdp.value_and_grad(f, has_aux=True)
+    compiled = torch.compile(transform, backend="aot_eager", fullgraph=True)
+    params, x = {"w": torch.tensor([1.0, 2.0]), "frozen": None}, torch.tensor([[1.0, 3.0]])
+    (value, aux), grads = compiled(params, x)
+    (want_value, want_aux), want_grads = transform(params, x)
+    assert value.item() == want_value.item() and aux["rows"] == want_aux["rows"] == 1
+    assert grads["frozen"] is None and grads["w"].tolist() == want_grads["w"].tolist() == [2.0, 36.0]
+
+
 @pytest.mark.parametrize("argnums", [[0], (), 0.0])
 def test_argnums_is_checked_when_the_transform_is_built(argnums: object) -> None:
     with pytest.raises(TypeError, match=r"^fdp.grad: argnums must be an int or a non-empty tuple of ints"):
