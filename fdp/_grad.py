@@ -65,9 +65,15 @@ def grad(
     ``torch.func.grad``. A ``fdp.pmap`` or ``fdp.DataParallel`` called by ``fn`` (which
     ``torch.func.grad`` refuses) is differentiated as a whole, as ``loss.backward()`` does.
 
-    The gradients are not differentiable further by autograd (as ``torch.autograd.grad``'s
-    without ``create_graph``): for gradients of gradients nest ``fdp.grad`` (the inner one is
-    then ``torch.func.grad``) or use ``torch.func.grad``.
+    Where an autograd outside the call could differentiate through it (grad mode is on and a
+    tensor among the arguments requires grad, or a forward-mode dual level is open) it is
+    ``torch.func.grad`` too, whose gradients that autograd differentiates. Otherwise the
+    gradients are not differentiable further (as ``torch.autograd.grad``'s without
+    ``create_graph``), and tensors that ``fn`` reaches other than through its arguments (the
+    parameters of a module it calls directly) are constants: an outer ``backward()`` through
+    the gradients, for a gradient penalty say, gets no gradient for them. Use
+    ``torch.func.grad`` there, or pass them as arguments. For gradients of gradients nest
+    ``fdp.grad`` (the inner one is then ``torch.func.grad``).
 
     Args:
         fn: the function to differentiate, returning a real scalar tensor (and, with
@@ -145,6 +151,7 @@ def _transform(
             torch.compiler.is_compiling()
             or torch._C._functorch.peek_interpreter_stack() is not None
             or _local.replica is _replica.current()
+            or _differentiable_outside(args, kwargs)
         ):
             grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
         elif torch.is_inference_mode_enabled():
@@ -157,6 +164,21 @@ def _transform(
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
 
     return transformed
+
+
+def _differentiable_outside(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an autograd outside the call could differentiate through its result: a
+    forward-mode dual level is open, or grad mode is on and an argument's tensor requires grad.
+    By autograd on detached copies, gradients that such an autograd should follow back (to the
+    arguments themselves, or to a tensor that requires grad passed beside them) would be
+    constants, silently; torch.func.grad's are not."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in _tree.flatten((args, kwargs))[0]
+    )
 
 
 def _positions(argnums: Any, name: str) -> tuple[int, ...]:

@@ -198,3 +198,39 @@ def test_argnums_is_checked_when_the_transform_is_built(argnums: object) -> None
 def test_has_aux_needs_a_pair() -> None:
     with pytest.raises(TypeError, match=r"fn must return a \(value, aux\) pair, got"):
         fdp.value_and_grad(lambda w: w.sum(), has_aux=True)(torch.ones(2))
+
+
+def test_an_outer_backward_through_the_gradients_sees_what_it_sees_through_torch_func_grads() -> None:
+    # An argument that requires grad (the differentiated one, or one beside it): the gradients
+    # are torch.func.grad's, which an outer backward differentiates; by autograd on detached
+    # copies that second-order term would be silently missing.
+    def f(w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return ((w * c) ** 3).sum()
+
+    def outer(grad: object) -> list[list[float]]:
+        w = torch.tensor([1.0, 2.0], requires_grad=True)
+        c = torch.tensor([0.5, 3.0], requires_grad=True)
+        (grad(f)(w, c).square().sum() + w.sum()).backward()  # type: ignore[operator]
+        return [w.grad.tolist(), c.grad.tolist()]  # type: ignore[union-attr]
+
+    assert outer(fdp.grad) == outer(torch.func.grad)
+    # Under no_grad no outer autograd can follow: the gradients by autograd, equal.
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with torch.no_grad():
+        assert fdp.grad(f)(w, torch.ones(2)).tolist() == torch.func.grad(f)(w, torch.ones(2)).tolist()
+
+
+# (Forward mode loads torch's decompositions once, by torch.jit.script, which warns.)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_forward_mode_through_the_gradients_as_through_torch_func_grads() -> None:
+    import torch.autograd.forward_ad as fwAD
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        return (w**3).sum()
+
+    def tangent(grad: object) -> list[float]:
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))
+            return fwAD.unpack_dual(grad(f)(dual)).tangent.tolist()  # type: ignore[operator]
+
+    assert tangent(fdp.grad) == tangent(torch.func.grad) == [6.0, 12.0]
