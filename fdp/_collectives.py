@@ -84,6 +84,12 @@ def _bound(axis_name: Hashable, caller: str, *, advise: bool = True) -> _replica
                 hint += f": map it with fdp.pmap(..., axis_name={axis_name!r})"
         else:
             hint = f"the function being mapped has axis_name={context.axis_name!r}"
+            if isinstance(axis_name, tuple) and context.axis_name in axis_name:
+                # JAX's collectives take a tuple of the axes of nested pmaps; fdp maps one.
+                hint += (
+                    ": collectives take one axis name, not a tuple of them (fdp.pmap maps one "
+                    f"axis): pass {context.axis_name!r}"
+                )
         raise NameError(f"unbound axis name: {axis_name} ({caller}: {hint})")
     return context
 

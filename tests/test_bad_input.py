@@ -385,6 +385,14 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"fdp.pmap\(..., axis_name='i'\)\)\n",
     ),
     (
+        "unbound axis name",
+        lambda: (torch.zeros(2),),
+        lambda a: pm(lambda x: fdp.psum(x, ("i",)), axis_name="i")(*a),
+        NameError,
+        r"^unbound axis name: \('i',\) \(fdp.psum: the function being mapped has axis_name='i': collectives "
+        r"take one axis name, not a tuple of them \(fdp.pmap maps one axis\): pass 'i'\)\n",
+    ),
+    (
         "non-hashable static argument",
         lambda: (torch.zeros(2), [1, 2]),
         lambda a: pm(lambda x, opts: x, static_argnums=1)(*a),
