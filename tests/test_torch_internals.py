@@ -55,6 +55,7 @@ INTERNALS: dict[str, str] = {
     # _collectives, _batch_norm, _pmap, _parallel_apply: where a call runs.
     "torch._C._current_graph_task_id": "in a backward pass? (checkpoint recomputation errors)",
     "torch._C._functorch.peek_interpreter_stack": "under a torch.func transform? (refusals)",
+    "torch.autograd.forward_ad._current_level": "fdp.grad: a dual level open? (-1 when none)",
     "torch._C._nn.flatten_dense_tensors": "a collective's leaves packed into one buffer",
     "torch._C._nn.unflatten_dense_tensors": "and unpacked as views of it",
     "torch._utils._unflatten_dense_tensors": "fdp.distributed: broadcast buffers unpacked",
