@@ -7,8 +7,9 @@ every call. First-order gradients outside other transforms need none of it: thes
 ``torch.autograd.grad`` on detached copies of the differentiated arguments, and are
 ``torch.func.grad`` itself where its transform is what makes them right: inside
 ``torch.compile`` (which traces ``torch.func.grad`` in one graph), inside a ``torch.func``
-transform (``vmap`` for per-example gradients), and inside another ``fdp.grad`` (gradients of
-gradients).
+transform (``vmap`` for per-example gradients), inside another ``fdp.grad`` (gradients of
+gradients), where an autograd outside the call could differentiate through it, and under
+inference mode or of inference tensors (see ``_beyond_autograd``).
 
 Collectives called by the differentiated function take their differentiable form, with JAX's
 transposes, as under ``torch.func.grad`` (see ``fdp._collectives._run``).
@@ -63,17 +64,22 @@ def grad(
     it for per-example gradients) and inside another ``fdp.grad`` it is ``torch.func.grad``.
     Collectives in ``fn`` (``fdp.pmean`` of the loss, say) are differentiated as under
     ``torch.func.grad``. A ``fdp.pmap`` or ``fdp.DataParallel`` called by ``fn`` (which
-    ``torch.func.grad`` refuses) is differentiated as a whole, as ``loss.backward()`` does.
+    ``torch.func.grad`` refuses) is differentiated as a whole, as ``loss.backward()`` does,
+    wherever ``fdp.grad`` is not ``torch.func.grad`` itself (below; where it is, the call is
+    refused as under ``torch.func.grad``: detach the arguments that require grad, or call
+    ``fdp.grad`` under ``torch.no_grad()``).
 
     Where an autograd outside the call could differentiate through it (grad mode is on and a
     tensor among the arguments requires grad, or a forward-mode dual level is open) it is
-    ``torch.func.grad`` too, whose gradients that autograd differentiates. Otherwise the
-    gradients are not differentiable further (as ``torch.autograd.grad``'s without
-    ``create_graph``), and tensors that ``fn`` reaches other than through its arguments (the
-    parameters of a module it calls directly) are constants: an outer ``backward()`` through
-    the gradients, for a gradient penalty say, gets no gradient for them. Use
-    ``torch.func.grad`` there, or pass them as arguments. For gradients of gradients nest
-    ``fdp.grad`` (the inner one is then ``torch.func.grad``).
+    ``torch.func.grad`` too, whose gradients, value and ``aux`` that autograd differentiates.
+    It is ``torch.func.grad`` as well under ``torch.inference_mode`` and where an argument is
+    an inference tensor, which autograd records nothing for or cannot save for backward.
+    Otherwise the gradients are not differentiable further (as ``torch.autograd.grad``'s
+    without ``create_graph``), and tensors that ``fn`` reaches other than through its
+    arguments (the parameters of a module it calls directly) are constants: an outer
+    ``backward()`` through the gradients, for a gradient penalty say, gets no gradient for
+    them. Use ``torch.func.grad`` there, or pass them as arguments. For gradients of gradients
+    nest ``fdp.grad`` (the inner one is then ``torch.func.grad``).
 
     Args:
         fn: the function to differentiate, returning a real scalar tensor (and, with
@@ -82,7 +88,8 @@ def grad(
             positions (the gradient is then a tuple, one tree per position). Its tensors must
             be floating-point or complex. Default: ``0``.
         has_aux: whether ``fn`` returns ``(value, aux)``; the gradient is then returned as
-            ``(grads, aux)``, with ``aux``'s tensors detached. Default: ``False``.
+            ``(grads, aux)``, with ``aux``'s tensors detached (but where an outer autograd
+            could differentiate through the call, as above). Default: ``False``.
 
     Returns:
         A function of ``fn``'s arguments that returns the gradient (with ``aux``, as above).
@@ -124,7 +131,8 @@ def value_and_grad(
             returned. Default: ``False``.
 
     Returns:
-        A function of ``fn``'s arguments that returns ``(value, grads)``, the value detached.
+        A function of ``fn``'s arguments that returns ``(value, grads)``, the value detached
+        (but where an outer autograd could differentiate through the call: see :func:`grad`).
 
     Examples:
         >>> import torch, fdp
@@ -151,14 +159,9 @@ def _transform(
             torch.compiler.is_compiling()
             or torch._C._functorch.peek_interpreter_stack() is not None
             or _local.replica is _replica.current()
-            or _differentiable_outside(args, kwargs)
+            or _beyond_autograd(args, kwargs)
         ):
             grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
-        elif torch.is_inference_mode_enabled():
-            # Inference mode records no graph, enable_grad or not: the value would not require
-            # grad and the gradients would be silently zero. torch.func.grad's are taken anyway.
-            with torch.inference_mode(False):
-                grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
         else:
             grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
@@ -166,18 +169,25 @@ def _transform(
     return transformed
 
 
-def _differentiable_outside(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an autograd outside the call could differentiate through its result: a
-    forward-mode dual level is open, or grad mode is on and an argument's tensor requires grad.
-    By autograd on detached copies, gradients that such an autograd should follow back (to the
-    arguments themselves, or to a tensor that requires grad passed beside them) would be
-    constants, silently; torch.func.grad's are not."""
-    if torch.autograd.forward_ad._current_level >= 0:
+def _beyond_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the gradients need torch.func.grad, as autograd on detached copies would get
+    them wrong:
+
+    * an autograd outside the call could differentiate through its result (a forward-mode dual
+      level is open, or grad mode is on and an argument's tensor requires grad): the gradients
+      it should follow back (to the arguments themselves, or to a tensor that requires grad
+      passed beside them) would be constants, silently;
+    * inference mode, where autograd records no graph, enable_grad or not (the gradients would
+      be silently zero), or an argument that is an inference tensor (a batch made under
+      inference mode), which autograd cannot save for backward: torch.func.grad differentiates
+      both (in inference mode, the inference tensors in ``fn``'s closure too).
+    """
+    if torch.autograd.forward_ad._current_level >= 0 or torch.is_inference_mode_enabled():
         return True
-    if not torch.is_grad_enabled():
-        return False
+    outside = torch.is_grad_enabled()
     return any(
-        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in _tree.flatten((args, kwargs))[0]
+        isinstance(leaf, torch.Tensor) and ((outside and leaf.requires_grad) or leaf.is_inference())
+        for leaf in _tree.flatten((args, kwargs))[0]
     )
 
 
@@ -207,11 +217,7 @@ def _by_autograd(
     trees = []  # each differentiated argument's structure and the detached copies of its leaves
     positions, arguments = _differentiated(argnums, positions, args, name)
     for k, (leaves, spec) in zip(positions, arguments):
-        # An inference tensor (made under torch.inference_mode) cannot require grad; a clone
-        # of it made outside inference mode can, as torch.func.grad differentiates it too.
-        copies = [
-            (leaf.clone() if leaf.is_inference() else leaf.detach()).requires_grad_() for leaf in leaves
-        ]
+        copies = [leaf.detach().requires_grad_() for leaf in leaves]
         trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
     outer, _local.replica = _local.replica, _replica.current()

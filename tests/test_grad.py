@@ -76,6 +76,21 @@ def test_inference_mode_and_inference_tensors_are_differentiated_as_by_torch_fun
     assert_trees_close(fdp.grad(f, argnums=(0, 1))(inference_w, inference_b), expected, rtol=0, atol=0)
 
 
+def test_a_batch_made_under_inference_mode_is_differentiated_through_as_by_torch_func_grad() -> None:
+    # Not differentiated, but saved for the backward of the differentiated argument: autograd
+    # refuses that ("Inference tensors cannot be saved for backward"), torch.func.grad does not.
+    # Under inference mode the batch is usually an inference tensor, as an argument or closed over.
+    f = lambda w, x: ((x @ w) ** 2).sum()  # noqa: E731
+    w = torch.tensor([1.0, -2.0, 0.5])
+    with torch.inference_mode():
+        x = torch.arange(12.0).reshape(4, 3)
+        got = [fdp.grad(f)(w, x), fdp.grad(lambda w: f(w, x))(w), fdp.grad(f)(w, x=x)]
+    got.append(fdp.grad(f)(w, x))  # an inference tensor outside inference mode
+    expected = torch.func.grad(f)(w, x.clone())
+    for g in got:
+        assert_trees_close(g, expected, rtol=0, atol=0)
+
+
 def test_a_collective_inside_is_differentiated_as_under_torch_func_grad() -> None:
     # pmean of the loss inside the differentiated function: its backward is the transposed
     # collective on every replica. By plain autograd the collective's own hook would refuse it.
@@ -118,6 +133,14 @@ def test_a_pmap_inside_is_differentiated_as_by_backward() -> None:
 
     w = torch.tensor([1.0, 2.0, 3.0])
     got = fdp.grad(lambda w: (centred(w, x) ** 2).sum())(w)
+    torch.testing.assert_close(got, torch.func.grad(one_device)(w))
+    # An argument that requires grad makes it torch.func.grad (an outer autograd could follow
+    # it), which refuses the pmapped call; under no_grad no outer autograd can, as documented.
+    parameter = nn.Parameter(w.clone())
+    with pytest.raises(RuntimeError, match=r"was called under a torch.func transform"):
+        fdp.grad(lambda w: (centred(w, x) ** 2).sum())(parameter)
+    with torch.no_grad():
+        got = fdp.grad(lambda w: (centred(w, x) ** 2).sum())(parameter)
     torch.testing.assert_close(got, torch.func.grad(one_device)(w))
 
 
