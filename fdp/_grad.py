@@ -227,16 +227,6 @@ def _by_autograd(
     finally:
         _local.replica = outer
     value, aux = _value_and_aux(out, has_aux, name)
-    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point):
-        what = (
-            f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-            if isinstance(value, torch.Tensor)
-            else _tree.describe(value)
-        )
-        raise TypeError(
-            f"{name}(fn)(*args): fn must return a real floating-point scalar tensor (a loss), "
-            f"got {what}{' as its value' if has_aux else ''}"
-        )
     inputs = [c for _, copies in trees for c in copies]
     if value.requires_grad and inputs:
         flat = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
@@ -285,14 +275,29 @@ def _differentiated(
 
 
 def _value_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:
+    """``fn``'s value and aux (None without ``has_aux``), checked: by either path, so that
+    which one runs changes no error (torch.func.grad's own would take an integer value's
+    gradient for zeros, silently)."""
     if not has_aux:
-        return out, None
-    if not (isinstance(out, tuple) and len(out) == 2):
+        value, aux = out, None
+    elif not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
             f"{name}(fn, has_aux=True)(*args): fn must return a (value, aux) pair, got "
             f"{_tree.describe(out)}: {_tree.short_repr(out)}"
         )
-    return out
+    else:
+        value, aux = out
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point):
+        what = (
+            f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+            if isinstance(value, torch.Tensor)
+            else _tree.describe(value)
+        )
+        raise TypeError(
+            f"{name}(fn)(*args): fn must return a real floating-point scalar tensor (a loss), "
+            f"got {what}{' as its value' if has_aux else ''}"
+        )
+    return value, aux
 
 
 def _by_func(

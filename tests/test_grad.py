@@ -223,6 +223,26 @@ def test_has_aux_needs_a_pair() -> None:
         fdp.value_and_grad(lambda w: w.sum(), has_aux=True)(torch.ones(2))
 
 
+@pytest.mark.parametrize("where", ["alone", "requiring grad", "under vmap"])
+def test_the_value_is_checked_wherever_it_runs(where: str) -> None:
+    # Where it is torch.func.grad, torch's own check let an integer value through (zero
+    # gradients, silently) and refused others in its own words: the same TypeError everywhere.
+    w = torch.ones(3, requires_grad=where == "requiring grad")
+    for value, got in [
+        (lambda w: (w > 0).sum(), r"shape \(\) and dtype torch.int64"),
+        (lambda w: w, r"shape \(3,\)"),
+    ]:
+        with pytest.raises(
+            TypeError,
+            match=r"^fdp.grad\(fn\)\(\*args\): fn must return a real floating-point scalar tensor "
+            r"\(a loss\), got a tensor of " + got,
+        ):
+            if where == "under vmap":
+                torch.func.vmap(fdp.grad(value))(w[None])
+            else:
+                fdp.grad(value)(w)
+
+
 def test_an_outer_backward_through_the_gradients_sees_what_it_sees_through_torch_func_grads() -> None:
     # An argument that requires grad (the differentiated one, or one beside it): the gradients
     # are torch.func.grad's, which an outer backward differentiates; by autograd on detached
