@@ -17,6 +17,7 @@ transposes, as under ``torch.func.grad`` (see ``fdp._collectives._run``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -42,6 +43,7 @@ class _Running(threading.local):
 
 
 _local = _Running()
+_NOTHING = contextlib.nullcontext()
 
 
 def differentiating() -> bool:
@@ -155,13 +157,17 @@ def _transform(
     def transformed(*args: Any, **kwargs: Any) -> Any:
         # is_compiling first: dynamo then traces torch.func.grad (on fdp's leaves), and none of
         # the rest.
-        if (
-            torch.compiler.is_compiling()
-            or torch._C._functorch.peek_interpreter_stack() is not None
+        if torch.compiler.is_compiling():
+            grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
+        elif (
+            torch._C._functorch.peek_interpreter_stack() is not None
             or _local.replica is _replica.current()
             or _beyond_autograd(args, kwargs)
         ):
-            grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
+            # Out of inference mode: there torch 2.11's torch.func.grad records nothing either,
+            # and its gradients come back as zeros (2.13's are taken).
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING:
+                grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
         else:
             grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
