@@ -21,6 +21,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -155,27 +156,34 @@ def _transform(
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
+        # The differentiated arguments, flattened once for whichever way runs.
+        where, flat = _differentiated(argnums, positions, args, name)
         # is_compiling first: dynamo then traces torch.func.grad (on fdp's leaves), and none of
-        # the rest.
+        # the tests below.
         if torch.compiler.is_compiling():
-            grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
+            grads, value = _by_func(fn, argnums, has_aux, args, kwargs, name, where, flat)
         elif (
             torch._C._functorch.peek_interpreter_stack() is not None
-            or _local.replica is _replica.current()
-            or _beyond_autograd(args, kwargs)
+            or differentiating()
+            or _beyond_autograd(args, kwargs, where, flat)
         ):
             # Out of inference mode: there torch 2.11's torch.func.grad records nothing either,
             # and its gradients come back as zeros (2.13's are taken).
             with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING:
-                grads, value = _by_func(fn, argnums, positions, has_aux, args, kwargs, name)
+                grads, value = _by_func(fn, argnums, has_aux, args, kwargs, name, where, flat)
         else:
-            grads, value = _by_autograd(fn, argnums, positions, has_aux, args, kwargs, name)
+            grads, value = _by_autograd(fn, argnums, has_aux, args, kwargs, name, where, flat)
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
 
     return transformed
 
 
-def _beyond_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _beyond_autograd(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    positions: tuple[int, ...],
+    flat: list[tuple[list[Any], Any]],
+) -> bool:
     """Whether the gradients need torch.func.grad, as autograd on detached copies would get
     them wrong:
 
@@ -187,13 +195,17 @@ def _beyond_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
       be silently zero), or an argument that is an inference tensor (a batch made under
       inference mode), which autograd cannot save for backward: torch.func.grad differentiates
       both (in inference mode, the inference tensors in ``fn``'s closure too).
+
+    ``positions`` and ``flat``: the differentiated arguments' positions and leaves (see
+    :func:`_differentiated`), looked at as they are; only the other arguments are flattened.
     """
     if torch.autograd.forward_ad._current_level >= 0 or torch.is_inference_mode_enabled():
         return True
     outside = torch.is_grad_enabled()
+    others = _tree.flatten(([a for k, a in enumerate(args) if k not in positions], kwargs))[0]
     return any(
         isinstance(leaf, torch.Tensor) and ((outside and leaf.requires_grad) or leaf.is_inference())
-        for leaf in _tree.flatten((args, kwargs))[0]
+        for leaf in chain(others, *(leaves for leaves, _ in flat))
     )
 
 
@@ -212,17 +224,18 @@ def _positions(argnums: Any, name: str) -> tuple[int, ...]:
 def _by_autograd(
     fn: Callable[..., Any],
     argnums: int | tuple[int, ...],
-    positions: tuple[int, ...],
     has_aux: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     name: str,
+    positions: tuple[int, ...],
+    flat: list[tuple[list[torch.Tensor], Any]],
 ) -> tuple[Any, Any]:
-    """``(grads, value)`` as ``torch.func.grad_and_value`` returns them, by autograd."""
+    """``(grads, value)`` as ``torch.func.grad_and_value`` returns them, by autograd, of the
+    arguments at ``positions``, flattened in ``flat`` (see :func:`_differentiated`)."""
     given = list(args)
     trees = []  # each differentiated argument's structure and the detached copies of its leaves
-    positions, arguments = _differentiated(argnums, positions, args, name)
-    for k, (leaves, spec) in zip(positions, arguments):
+    for k, (leaves, spec) in zip(positions, flat):
         copies = [leaf.detach().requires_grad_() for leaf in leaves]
         trees.append((spec, copies))
         given[k] = _tree.unflatten(spec, copies)
@@ -235,12 +248,12 @@ def _by_autograd(
     value, aux = _value_and_aux(out, has_aux, name)
     inputs = [c for _, copies in trees for c in copies]
     if value.requires_grad and inputs:
-        flat = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+        computed = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
     else:  # the value depends on none of them (torch.func.grad gives zeros too)
-        flat = tuple(torch.zeros_like(c) for c in inputs)
+        computed = tuple(torch.zeros_like(c) for c in inputs)
     grads, start = [], 0
     for spec, copies in trees:
-        grads.append(_tree.unflatten(spec, list(flat[start : start + len(copies)])))
+        grads.append(_tree.unflatten(spec, list(computed[start : start + len(copies)])))
         start += len(copies)
     result = tuple(grads) if isinstance(argnums, tuple) else grads[0]
     value = value.detach()
@@ -309,19 +322,20 @@ def _value_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:
 def _by_func(
     fn: Callable[..., Any],
     argnums: int | tuple[int, ...],
-    positions: tuple[int, ...],
     has_aux: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     name: str,
+    positions: tuple[int, ...],
+    flat: list[tuple[list[torch.Tensor], Any]],
 ) -> tuple[Any, Any]:
     """``(grads, value)`` by ``torch.func.grad_and_value``, on trees as fdp flattens them.
 
     torch.func flattens with torch's pytrees, where a plain dataclass or ``None`` is a leaf it
     refuses ("must be Tensor"), and takes only tensors in ``aux``: given the leaves of fdp's
     trees, it differentiates the arguments and returns the ``aux`` that the autograd path does.
+    (``positions``, ``flat``: as for :func:`_by_autograd`.)
     """
-    positions, flat = _differentiated(argnums, positions, args, name)
     aux_rest: list[tuple[Any, list[Any], list[bool]]] = []  # aux's structure and non-tensor leaves
 
     def on_leaves(*leaf_lists: list[torch.Tensor]) -> Any:
