@@ -180,19 +180,21 @@ def _register_dataclass(cls: type) -> None:
         default instead. Checked when flattening, not in the structure, which a prefix of axes
         (``in_axes=Batch(x=0)``, whose late fields hold no tensor) must match."""
         unknown = [
-            name
-            for name in late
-            if name not in recomputed and isinstance(getattr(obj, name, None), torch.Tensor)
+            name for name in late if name not in recomputed and _holds_tensor(getattr(obj, name, None))
         ]
         if not unknown:
             return
         probe = rebuild(meta, values)
         for name in unknown:
             value = getattr(probe, name, None)
-            if not isinstance(value, torch.Tensor):
+            if not _holds_tensor(value):
+                held = getattr(obj, name)
+                what = (
+                    "a tensor" if isinstance(held, torch.Tensor) else f"tensors (in a {type(held).__name__})"
+                )
                 raise ValueError(
                     f"fdp cannot rebuild the dataclass {cls.__qualname__}: its field {name!r} "
-                    f"(init=False) holds a tensor, but {cls.__qualname__}(**init fields), which "
+                    f"(init=False) holds {what}, but {cls.__qualname__}(**init fields), which "
                     f"fdp calls to rebuild it from its split fields, sets it to {short_repr(value)}. "
                     f"Compute {name!r} in __post_init__ from the init fields, make it an init "
                     f"field, or register {cls.__qualname__} with optree.register_pytree_node(..., "
@@ -213,6 +215,29 @@ def _register_dataclass(cls: type) -> None:
         namespace=NAMESPACE,
     )
     _count_redefinition(cls)
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` (a dataclass's late field) is a tensor or holds one: in a container
+    that fdp flattens (a dict or list of tensors, set after construction as a tensor may be), or
+    as a field of a dataclass among its leaves. Dataclasses are looked into one level down, not
+    flattened: one registered would check its own late fields, and two that refer to each other
+    there would recurse for good."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if type(value) in _LEAF_TYPES:  # numbers, strings, None: one set lookup
+        return False
+    for leaf in optree.tree_leaves(value, is_leaf=_is_dataclass_instance, namespace=NAMESPACE):
+        if isinstance(leaf, torch.Tensor) or (
+            _is_dataclass_instance(leaf)
+            and any(isinstance(getattr(leaf, f.name, None), torch.Tensor) for f in dataclasses.fields(leaf))
+        ):
+            return True
+    return False
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 def _namespaces_registering(cls: type) -> list[str]:

@@ -683,6 +683,40 @@ def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -
         fdp.pmap(lambda b: b.x * b.weight, devices=cpus(1))(batch)
 
 
+def test_tensors_in_a_container_in_a_non_init_field_are_recomputed_or_refused_never_dropped() -> None:
+    # A dict of tensors set after construction: rebuilt for each replica, the field held its
+    # default {} again, and the replicas ran without the tensors, silently (one replica, given
+    # the object itself, had them).
+    @dataclasses.dataclass
+    class Tagged:
+        x: torch.Tensor
+        extra: dict = dataclasses.field(init=False, default_factory=dict)
+
+    batch = Tagged(torch.ones(4, 2))
+    batch.extra["offset"] = torch.full((4, 2), 10.0)
+    for n in (1, 2):
+        with pytest.raises(
+            ValueError,
+            match=r"cannot rebuild the dataclass .*Tagged: its field 'extra' \(init=False\) holds "
+            r"tensors \(in a dict\), but .*sets it to \{\}",
+        ):
+            fdp.pmap(lambda b: b.x + b.extra.get("offset", 0), devices=cpus(n))(batch)
+
+    # One that __post_init__ computes from the init fields is recomputed for each replica's rows.
+    @dataclasses.dataclass
+    class Derived:
+        x: torch.Tensor
+        parts: list = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.parts = [self.x > 0, self.x * 2]
+
+    out = fdp.pmap(lambda d: d.parts[0].sum(0, keepdim=True) + d.parts[1][:1], devices=cpus(2))(
+        Derived(torch.tensor([1.0, -1, 2]))
+    )
+    assert out.tolist() == [3, 5]
+
+
 def test_a_dataclass_with_a_computed_non_init_field_serves_as_an_axes_prefix() -> None:
     # The prefix's late field holds no tensor (0 != 0 is False) and the argument's does: the
     # structures must still match.
