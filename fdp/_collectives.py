@@ -476,7 +476,7 @@ def _kept_as_they_are(leaves: Sequence[torch.Tensor]) -> bool:
 
 
 # The quantized dtypes, which no reduction takes (see _Packed).
-_QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+_QUANTIZED = _tree.QUANTIZED_DTYPES
 
 
 def _numpy_number(leaf: Any) -> bool:

@@ -319,8 +319,8 @@ def _cat_all_on_cpu(per_replica: list[list[Any]]) -> list[Any] | None:
             return None
         ranks.append(t.dim())
         dtypes.append(t.dtype)
-    if not ranks or 0 in ranks:
-        return None
+    if not ranks or 0 in ranks or not _tree.QUANTIZED_DTYPES.isdisjoint(dtypes):
+        return None  # (quantized tensors: their scales are checked on the general path)
     for leaves in per_replica[1:]:
         for t, rank, dtype in zip(leaves, ranks, dtypes):
             if type(t) not in tensor_types or t.dim() != rank or t.dtype is not dtype:
@@ -408,6 +408,7 @@ def _join(
         ndim = first.dim()
         if (
             ndim
+            and not first.is_quantized  # (scales checked below)
             and -ndim <= axis < ndim
             and all(
                 isinstance(v, torch.Tensor) and v.dim() == ndim and v.dtype is first.dtype for v in values
@@ -457,6 +458,8 @@ def _join(
             f"{caller}: the replicas returned different dtypes at {path()} ({kinds}); every "
             "replica must return the same dtype there"
         )
+    if first.is_quantized:
+        _check_one_scale(values, caller, path)
     if all(v.dim() == 0 for v in values):
         if axis not in (0, -1) and not caller.startswith("fdp.DataParallel"):
             # The stack makes a vector, with one dim: out_axes=5 was taken for 0, silently, where
@@ -501,6 +504,34 @@ def _join(
         raise ValueError(
             f"{caller}: cannot concatenate {path()} along axis {dim}: the replicas returned {kinds} ({err})"
         ) from err
+
+
+def _check_one_scale(values: Sequence[torch.Tensor], caller: str, path: Callable[[], str]) -> None:
+    """Refuses quantized tensors of different scales or zero points, which a concatenation
+    joins at the first one's: the others' values came back clipped to its range, silently (a
+    replica's 200 at scale 10 came back as 25.5 at scale 0.1). Each replica quantizing its own
+    shard picks a scale of its own, where one device quantizing the batch picks one."""
+    first = values[0]
+    if first.qscheme() not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return  # per-channel: torch's cat refuses them, and the error below names the output
+    mine = (first.q_scale(), first.q_zero_point())
+    for r, v in enumerate(values[1:], start=1):
+        theirs = (v.q_scale(), v.q_zero_point())
+        if theirs != mine:
+            remedies = [
+                "quantize them alike on every replica (with one scale, e.g. from fdp.pmax of the "
+                "shards' ranges)",
+                "return them dequantized (.dequantize())",
+            ]
+            if caller.startswith(("fdp.pmap", "fdp.gather")):  # (fdp.DataParallel has no out_axes)
+                remedies.append("keep each replica's with out_axes=fdp.PER_REPLICA")
+            raise ValueError(
+                f"{caller}: the replicas returned quantized tensors of different scales at {path()}: "
+                f"replica 0 returned scale {mine[0]}, zero point {mine[1]} but replica {r} returned "
+                f"scale {theirs[0]}, zero point {theirs[1]}; joined into one tensor they would take "
+                f"replica 0's, and values outside its range would come back clipped: "
+                f"{', '.join(remedies[:-1])}, or {remedies[-1]}"
+            )
 
 
 def _unmapped(

@@ -49,6 +49,11 @@ NAMESPACE = "fdp"
 
 # The exact types of plain tensor leaves (the all-tensor fast paths of scatter and gather).
 TENSOR_TYPES: frozenset[type] = frozenset({torch.Tensor, torch.nn.Parameter})
+# The quantized dtypes: no reduction takes them, and tensors of them join into one only at one
+# scale (a concatenation takes the first one's, clipping the others' values to its range).
+QUANTIZED_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+)
 # Types that are always leaves, so the per-call node-type check is one set lookup per leaf.
 _LEAF_TYPES: set[type] = {
     *TENSOR_TYPES,

@@ -693,10 +693,12 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         # Joined into one tensor, they took the first one's scale: 200 came back as 25.5.
         "quantized tensors of different scales joined by a gather",
         lambda: (torch.zeros(2),),
-        lambda a: pm(
-            lambda x: fdp.all_gather(quantized(torch.ones(3), scale=[0.1, 10.0][fdp.axis_index("i")]), "i"),
-            axis_name="i",
-        )(*a),
+        # (Quantized before the call: quantized() silences torch's deprecation warning with
+        # warnings.catch_warnings, whose filters are the process's, not a thread's: replicas
+        # entering and leaving it at once could restore them wrongly, and the warning fail the test.)
+        lambda a: (lambda q: pm(lambda x: fdp.all_gather(q[fdp.axis_index("i")], "i"), axis_name="i")(*a))(
+            [quantized(torch.ones(3), scale=0.1), quantized(torch.ones(3), scale=10.0)]
+        ),
         ValueError,
         r"^fdp.all_gather: the replicas passed quantized tensors of different scales at x: replica 0 passed "
         r"scale 0.1, zero point 0 but replica 1 passed scale 10.0, zero point 0",
@@ -1135,6 +1137,23 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         ValueError,
         r"the replicas returned outputs of different structure: replica 0 returned "
         r"PyTreeSpec\(\{'a': \*\}\) but replica 1 returned",
+    ),
+    (
+        # Joined at replica 0's scale, replica 1's values came back clipped to its range, silently
+        # (each replica quantizing its own shard picks a scale of its own).
+        "replicas returning quantized tensors of different scales",
+        lambda: (torch.tensor([1.0, 2.0, 100.0, 200.0]),),
+        # (Each replica quantizes its shard with a scale of its own, as dynamic quantization
+        # does; quantized before the call, for the reason above.)
+        lambda a: (lambda q: pm(lambda x: q[int(x[0] > 50)])(*a))(
+            [quantized(a[0][:2], scale=0.02), quantized(a[0][2:], scale=2.0)]
+        ),
+        ValueError,
+        r"^fdp.pmap\(<lambda>.*\): the replicas returned quantized tensors of different scales at output: "
+        r"replica 0 returned scale 0.02, zero point 0 but replica 1 returned scale 2.0, zero point 0; "
+        r"joined into one tensor they would take replica 0's, and values outside its range would "
+        r"come back clipped: quantize them alike on every replica .*, return them dequantized "
+        r"\(.dequantize\(\)\), or keep each replica's with out_axes=fdp.PER_REPLICA$",
     ),
     (
         "`out_axes=None` outputs that disagree (`check_unmapped_outputs=True`)",

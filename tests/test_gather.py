@@ -421,3 +421,28 @@ def test_running_out_of_memory_moving_an_unmapped_output_stays_an_out_of_memory_
     monkeypatch.setattr(_gather._transfer, "to_device", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
         fdp.gather([torch.ones(2), torch.ones(2)], "cpu", out_axes=None)
+
+
+def quantized(values: list[float], scale: float) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch's deprecation warning for quantized tensors
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.tensor(values), scale, 0, torch.quint8)
+
+
+@pytest.mark.parametrize("shape", [(2,), ()], ids=["rows", "0-dim"])
+def test_quantized_outputs_of_different_scales_are_refused_not_clipped(shape: tuple[int, ...]) -> None:
+    # Concatenated, they took replica 0's scale: replica 1's 200.0 came back as 25.5, silently
+    # (each replica quantizing its own shard picks a scale of its own).
+    small, large = [1.0, 2.0][: shape[0] if shape else 1], [100.0, 200.0][: shape[0] if shape else 1]
+    parts = [quantized(small, 0.1).reshape(shape), quantized(large, 10.0).reshape(shape)]
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp.gather: the replicas returned quantized tensors of different scales at "
+        r"output\['q'\]: replica 0 returned scale 0.1, zero point 0 but replica 1 returned scale 10.0",
+    ):
+        fdp.gather([{"q": q} for q in parts], "cpu")
+    # Of one scale, they are joined as before.
+    same = [quantized(small, 10.0).reshape(shape), quantized(large, 10.0).reshape(shape)]
+    out = fdp.gather([{"q": q} for q in same], "cpu")["q"]
+    assert out.q_scale() == 10.0
+    assert out.dequantize().tolist() == [v for q in same for v in q.dequantize().reshape(-1).tolist()]
