@@ -488,11 +488,22 @@ def _join(
             if caller.startswith("fdp.DataParallel")
             else ("out_axes", "it inserts no new axis, unlike jax.pmap's")
         )
-        fits = (
-            f"; {option} concatenates along an existing dim ({habit}): a dim in [{-rank}, {rank - 1}] fits"
-            if len(ranks) == 1
-            else ""
-        )
+        if len(ranks) == 1:
+            fits = (
+                f"; {option} concatenates along an existing dim ({habit}): a dim in "
+                f"[{-rank}, {rank - 1}] fits"
+            )
+        else:
+            # Every replica runs the same code, so ranks that differ come from the shards: most
+            # often `model(x).squeeze()`, which drops the batch dim too where a replica got one
+            # row (a batch that does not divide evenly leaves such a shard), and which the whole
+            # batch on one device keeps. nn.DataParallel fails there alike, in torch.cat's words.
+            fits = (
+                ": their ranks differ, where every replica runs the same code. A squeeze() that "
+                "drops the batch dim of a replica's shard of one row (which uneven shards leave) "
+                "is the usual cause, where the whole batch on one device keeps it: squeeze the "
+                "dim meant instead (e.g. .squeeze(-1))"
+            )
         raise ValueError(
             f"{caller}: cannot concatenate {path()} along {option} {axis}: the replicas "
             f"returned {kinds}{fits}"

@@ -1245,3 +1245,23 @@ def test_an_output_without_the_dim_to_concatenate_along_is_named_with_dim_not_ou
         "float32[1]; dim concatenates along an existing dim (as nn.DataParallel's gather does): a dim "
         "in [-1, 0] fits"
     )
+
+
+def test_a_squeeze_that_drops_a_one_row_shards_batch_dim_is_explained() -> None:
+    # A regression head's `.squeeze()`: 3 rows over 2 devices leave replica 1 one row, whose
+    # output lost its batch dim. The error listed the shapes alone; it says why now.
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).squeeze()
+
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp.DataParallel: cannot concatenate output along dim 0: the replicas returned "
+        r"float32\[2\], float32\[\]: their ranks differ, .* A squeeze\(\) that drops the batch dim of a "
+        r"replica's shard of one row .* \(e.g. .squeeze\(-1\)\)$",
+    ):
+        fdp.DataParallel(Head(), device_ids=cpus(2))(torch.ones(3, 3))
