@@ -22,6 +22,7 @@ checked). On one device that holds every parameter and buffer, the module itself
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Hashable, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
@@ -163,6 +164,7 @@ class DataParallel(nn.Module, Generic[_M]):
         self._mapped.rename_paths = functools.partial(  # output: (output, state)
             _user_path, 5, "output[0]", more=(("args[3]", "params"), ("args[4]", "buffers"))
         )
+        self._mapped.user_output = operator.itemgetter(0)  # (picklable: the wrapper may be saved)
         self._mapped.in_place_advice = (
             "In evaluation mode the replicas share the module's buffers (in training mode, of any "
             "submodule, each updates a copy of its own, averaged back after the call): change "

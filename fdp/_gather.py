@@ -106,6 +106,7 @@ def gather_outputs(
     inputs: Sequence[Any] = (),
     structure: _tree.LastStructure | None = None,
     rename: Callable[[str], str] | None = None,
+    user_output: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Joins the replicas' output trees on ``destination``; ``out_axes`` is a checked spec.
 
@@ -113,7 +114,8 @@ def gather_outputs(
     output along the last call's and keeps its plan (both kept by ``fdp.pmap`` per function).
     ``devices`` are the replicas' devices and ``inputs`` the call's input leaves, for
     ``PER_REPLICA`` outputs (see :func:`_own_copies`). ``rename`` rewrites the key paths that
-    messages name (a wrapper's own output tree is not the user's).
+    messages name (a wrapper's own output tree is not the user's), and ``user_output`` picks
+    the user's part of a replica's output, for messages that show its structure.
     """
     lone = len(outputs) == 1
     # A lone replica's output is returned as it is where it can be, with nothing rebuilt from
@@ -152,6 +154,7 @@ def gather_outputs(
                 inputs=inputs,
                 structure=structure,
                 rename=rename,
+                user_output=user_output,
             )
     if not lone and plan.packed is not None:
         # Joined field by field, the replicas' PackedSequences make a corrupt one: its
@@ -166,9 +169,19 @@ def gather_outputs(
         flat += [_tree.flatten_like(out, treespec, types) for out in outputs[1:]]
         for r, (_, other) in enumerate(flat[1:], start=1):
             if not _tree.replicas_agree(other, treespec):
+                mine, theirs = treespec, other
+                if user_output is not None:
+                    # The user's parts, where they differ: a wrapper's own structure around
+                    # them (fdp.DataParallel's (output, state)) is none of the user's business.
+                    shown = (
+                        _tree.flatten(user_output(outputs[0]))[1],
+                        _tree.flatten(user_output(outputs[r]))[1],
+                    )
+                    if not _tree.replicas_agree(*shown):
+                        mine, theirs = shown
                 raise ValueError(
                     f"{caller}: the replicas returned outputs of different structure: replica 0 "
-                    f"returned {treespec} but replica {r} returned {other}. Every replica must "
+                    f"returned {mine} but replica {r} returned {theirs}. Every replica must "
                     "return the same structure."
                 )
         if plan.all_zero and destination == _devices.CPU:

@@ -107,6 +107,9 @@ class Pmapped(Generic[P, R]):
         self.rename_paths: Callable[[str], str] | None = None
         # ... and what to do about an argument the replicas modified in place.
         self.in_place_advice: str | None = None
+        # ... and the part of a replica's output that is the user's, for messages that show its
+        # structure (fdp.DataParallel's replicas return (output, state)).
+        self.user_output: Callable[[Any], Any] | None = None
         self._start_afresh()
         if not self.is_module:
             # updated=(): copying fn.__dict__ could overwrite this object's own attributes.
@@ -152,6 +155,7 @@ class Pmapped(Generic[P, R]):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("user_output", None)  # (saved before it was kept)
         self.__dict__.update(state)
         self._start_afresh()
 
@@ -298,6 +302,7 @@ class Pmapped(Generic[P, R]):
             devices=run_on,
             inputs=leaves,
             rename=self.rename_paths,
+            user_output=self.user_output,
         )
 
     def _failed_before_running(self, error: BaseException) -> None:

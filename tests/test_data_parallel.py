@@ -1265,3 +1265,28 @@ def test_a_squeeze_that_drops_a_one_row_shards_batch_dim_is_explained() -> None:
         r"replica's shard of one row .* \(e.g. .squeeze\(-1\)\)$",
     ):
         fdp.DataParallel(Head(), device_ids=cpus(2))(torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_outputs_of_different_structure_are_shown_as_the_module_returned_them(training: bool) -> None:
+    # The replicas' outputs are (output, state) to the pmapped call beneath: the message showed
+    # PyTreeSpec(((*,), None)), the wrapper's pair, where the module returned (*,).
+    class Moody(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2)  # (in training mode, its buffers are the state)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = self.bn(x)
+            return (y,) if x.shape[0] == 3 else [y]
+
+    model = fdp.DataParallel(Moody().train(training), device_ids=cpus(2))
+    message = (
+        r"^fdp.DataParallel: the replicas returned outputs of different structure: replica 0 "
+        r"returned PyTreeSpec\(\(\*,\)\) but replica 1 returned PyTreeSpec\(\[\*\]\)\. "
+    )
+    with pytest.raises(ValueError, match=message):
+        model(torch.randn(5, 2))  # shards of 3 and 2 rows
+    copied = copy.deepcopy(model)  # (a copy of the wrapper, as saved, says so too)
+    with pytest.raises(ValueError, match=message):
+        copied(torch.randn(5, 2))
