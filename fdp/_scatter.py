@@ -128,7 +128,7 @@ def scatter_leaves(
         raise ValueError(
             f"{caller} found no tensor to map: every tensor argument has axis None (or there is "
             "none), so there is no batch to split over the replicas. Give at least one tensor an "
-            "int axis in in_axes."
+            "int axis in in_axes." + _opaque_holder_note(leaves, axes, paths)
         )
     if batch < 0:
         raise ValueError(_inconsistent_sizes_message(leaves, mapped, user_axes, caller, paths()))
@@ -164,6 +164,31 @@ def scatter_leaves(
     if share:
         _share_for_backward(leaves, replicated, resident, rows)
     return Scattered(rows, run_on, sizes, shared)
+
+
+def _opaque_holder_note(leaves: Sequence[Any], axes: Sequence[Any], paths: Callable[[], list[str]]) -> str:
+    """For a call with nothing to map: the first object under an int axis that holds tensors
+    among its attributes (a batch class of the user's, a graph library's data object), which
+    the user most likely meant to be split. Its tensors are not seen (optree takes it for one
+    leaf), so "found no tensor to map" alone reads as wrong: the user gave it axis 0."""
+    for k, (leaf, axis) in enumerate(zip(leaves, axes)):
+        if axis is _axes.BROADCAST or isinstance(leaf, (torch.Tensor, torch.nn.Module)):
+            continue  # (a module's tensors are its parameters: every replica needs them whole)
+        attributes = getattr(leaf, "__dict__", None)
+        names = (
+            [n for n, v in attributes.items() if isinstance(v, torch.Tensor)]
+            if isinstance(attributes, dict)
+            else []
+        )
+        if names:
+            name = type(leaf).__qualname__
+            return (
+                f" {paths()[k]} is a {name} holding tensors (its attributes {', '.join(names)}), an "
+                "object that fdp does not flatten: it reaches every replica whole, whatever its axis. "
+                f"To split its tensors, pass them in a dict or a dataclass, or register {name} with "
+                f"optree.register_pytree_node(..., namespace={_tree.NAMESPACE!r})."
+            )
+    return ""
 
 
 def _whole_advice(caller: str) -> str:

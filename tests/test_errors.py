@@ -111,6 +111,29 @@ def test_nothing_mapped_is_an_error() -> None:
         fdp.pmap(lambda n: n, devices=cpus(2))(5)
 
 
+def test_nothing_mapped_names_an_object_holding_tensors_under_an_int_axis() -> None:
+    # A batch class of the user's (or a graph library's data object) is one leaf to optree: its
+    # tensors are not seen, and "found no tensor to map" alone read as wrong, the object having
+    # axis 0. The message names it, and how to have it split.
+    class Batch:
+        def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+            self.x, self.y, self.name = x, y, "train"
+
+    f = fdp.pmap(lambda b: b.x, devices=cpus(2))
+    with pytest.raises(
+        ValueError,
+        match=r"found no tensor to map: .* args\[0\] is a .*Batch holding tensors \(its attributes "
+        r"x, y\), an object that fdp does not flatten: it reaches every replica whole, whatever its "
+        r"axis. To split its tensors, pass them in a dict or a dataclass, or register .*Batch with "
+        r"optree.register_pytree_node\(..., namespace='fdp'\).$",
+    ):
+        f(Batch(torch.zeros(4), torch.ones(4)))
+    # Under axis None it is whole by request: no note.
+    with pytest.raises(ValueError, match="found no tensor to map") as info:
+        fdp.pmap(lambda b: b.x, in_axes=None, devices=cpus(2))(Batch(torch.zeros(4), torch.ones(4)))
+    assert "Batch" not in str(info.value)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_an_array_that_is_not_a_tensor_under_an_int_axis_is_refused(devices: int) -> None:
     # A JAX user passes NumPy arrays (jax.pmap splits them). fdp splits tensors only: passed
