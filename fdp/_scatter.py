@@ -540,6 +540,14 @@ def _inconsistent_sizes_message(
             "others (as nn.DataParallel does): if every replica needs all of it, hold it on the "
             "module instead of passing it"
         )
+    elif caller.startswith("fdp.DataParallel"):
+        # (No in_axes to give: the same way out as for a keyword argument.)
+        lines.append(
+            "fdp.DataParallel splits every tensor argument along its dim (as nn.DataParallel "
+            "does), so all of them must have the batch's size there: one that every replica needs "
+            "whole (an attention mask of shape (L, S), a table) is held on the module instead of "
+            "passed"
+        )
     elif keywords and _is_keyword(caller, keywords[0]):
         advice = _keyword_advice(keywords)
         lines.append(advice[0].upper() + advice[1:])

@@ -524,7 +524,10 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda: (torch.zeros(4, 2), torch.zeros(3, 2)),
         lambda a: fdp.DataParallel(nn.Bilinear(2, 2, 1), device_ids=cpus(2))(*a),
         ValueError,
-        r"(?s)fdp.DataParallel got inconsistent sizes .*inputs\[1\]",
+        r"(?s)fdp.DataParallel got inconsistent sizes .*inputs\[1\] of type float32\[3,2\]\n"
+        r"fdp.DataParallel splits every tensor argument along its dim \(as nn.DataParallel does\), so "
+        r"all of them must have the batch's size there: one that every replica needs whole .* is "
+        r"held on the module instead of passed$",
     ),
     (
         "DataParallel with a bad device",
