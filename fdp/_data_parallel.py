@@ -243,12 +243,42 @@ class DataParallel(nn.Module, Generic[_M]):
             return direct(self.module, inputs, kwargs)
         params, buffers, training = _parameters_and_buffers(self.module)
         placed: Any = self._place(params)  # PerReplica values, where the replicas get tensors
+        # CPU replicas get the parameters themselves: a forward that changes one in place
+        # (nn.Embedding(max_norm=...) renormalizes its rows) has the replicas race on it.
+        versions = (
+            [_pmap._version(p) for p in params.values()]
+            if self._shared_as_is and len(self._devices) > 1
+            else None
+        )
         outputs, state = self._mapped(self.module, self.dim, training, placed, buffers, inputs, kwargs)
+        if versions is not None and first is not None:
+            self._check_parameters_unchanged(params, versions, first)
         if state is not None:
             updated, rows = state
             replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
             self._update_buffers(buffers, replicas, [float(n) for n in rows])
         return outputs
+
+    def _check_parameters_unchanged(
+        self, params: dict[str, torch.Tensor], versions: list[int], first: torch.Tensor
+    ) -> None:
+        """Raises if replicas sharing the parameters changed one in place (where more than one
+        ran: a lone replica's change is the module's own, as on one device)."""
+        for (name, p), version in zip(params.items(), versions):
+            if _pmap._version(p) == version:
+                continue
+            n = len(_split.shard_sizes(first.shape[self.dim], len(self._devices), self._mapped.split))
+            if n < 2:
+                return
+            devices = ", ".join(str(d) for d in self._devices[:n])
+            raise RuntimeError(
+                f"fdp.DataParallel: the replicas modified params[{name!r}] in place, but the {n} "
+                f"replicas on {devices} share the module's parameters: their changes race (on GPUs "
+                "each replica would change a copy of its own, and its change would be lost). "
+                "Change parameters outside forward (after the optimizer step, under "
+                "torch.no_grad()), or run a module whose forward changes them (an nn.Embedding "
+                "with max_norm) on one device."
+            )
 
     def _run_once(self, direct: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The module called once, on the first device, with ``inputs`` and ``kwargs`` as they

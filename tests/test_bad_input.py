@@ -148,6 +148,14 @@ class BumpsInPlace(nn.Module):
         return x
 
 
+def renormalizing_embedding() -> nn.Embedding:
+    """An embedding whose forward renormalizes, in place, the rows it looks up (all of norm > 1)."""
+    emb = nn.Embedding(4, 3, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.fill_(1.0)
+    return emb
+
+
 class StoresMethods(nn.Module):
     """Keeps bound methods of itself in an OrderedDict, which fdp cannot rebuild around a copy."""
 
@@ -1217,6 +1225,19 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"fdp.DataParallel: the replicas modified buffers\['high'\] in place.* In evaluation mode the "
         r"replicas share the module's buffers .*: change buffers in place in training mode only, or "
         r"run such a module on one device\.",
+    ),
+    (
+        # The replicas renormalized the one weight they share at once: a row could be scaled
+        # twice (to norm 0.03 rather than 1), rarely and silently.
+        "DataParallel on several CPU devices, a parameter changed in place by forward",
+        lambda: (torch.tensor([0, 1, 2, 3]),),
+        lambda a: fdp.DataParallel(renormalizing_embedding(), device_ids=cpus(2))(*a),
+        RuntimeError,
+        r"^fdp.DataParallel: the replicas modified params\['weight'\] in place, but the 2 replicas on "
+        r"cpu, cpu share the module's parameters: their changes race \(on GPUs each replica would "
+        r"change a copy of its own, and its change would be lost\)\. Change parameters outside "
+        r"forward \(after the optimizer step, under torch.no_grad\(\)\), or run a module whose "
+        r"forward changes them \(an nn.Embedding with max_norm\) on one device\.$",
     ),
     (
         "a meta tensor among the inputs, or a module's parameters on the meta device",

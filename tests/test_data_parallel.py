@@ -1233,6 +1233,25 @@ def test_a_buffer_changed_in_place_in_evaluation_mode_is_named_as_the_users() ->
         model(torch.randn(4, 4))
 
 
+@pytest.mark.parametrize("rows", [1, 4], ids=["one-replica", "two-replicas"])
+def test_a_parameter_changed_in_place_by_forward_is_refused_where_replicas_share_it(rows: int) -> None:
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up, in place: CPU replicas,
+    which share the weight, raced on it (a row scaled twice, rarely and silently). A lone
+    replica (one row) changes it as the module on one device does."""
+    emb = nn.Embedding(4, 3, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(10)
+    expected = copy.deepcopy(emb)
+    x = torch.arange(rows)
+    model = fdp.DataParallel(emb, device_ids=cpus(2))
+    if rows > 1:
+        with pytest.raises(RuntimeError, match=r"modified params\['weight'\] in place.*on one device\.$"):
+            model(x)
+        return
+    torch.testing.assert_close(model(x), expected(x))
+    torch.testing.assert_close(emb.weight, expected.weight)
+
+
 def test_an_output_without_the_dim_to_concatenate_along_is_named_with_dim_not_out_axes() -> None:
     class ColumnSums(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

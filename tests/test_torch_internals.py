@@ -60,7 +60,7 @@ INTERNALS: dict[str, str] = {
     "torch._C._nn.unflatten_dense_tensors": "and unpacked as views of it",
     "torch._utils._unflatten_dense_tensors": "fdp.distributed: broadcast buffers unpacked",
     "torch.distributed.distributed_c10d._get_default_store": "the existing group's store",
-    "torch.Tensor._version": "in-place changes of replicated inputs and buffers",
+    "torch.Tensor._version": "in-place changes of replicated inputs, buffers and shared parameters",
     "torch.Tensor._base": "a view's base (its version counter, its autograd node)",
     "torch.nn.modules.batchnorm._BatchNorm": "fdp.SyncBatchNorm's base class (at import)",
     # _compile: torch.compile.
