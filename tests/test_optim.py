@@ -104,6 +104,46 @@ CONFIGS["adamw_scheduled"] = (
 )
 
 
+def warmup_then_cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """torch's own schedulers, chained: 10 steps of linear warm-up, then a cosine decay (whose
+    rates torch computes recursively, step after step, not from a formula of the step)."""
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=10)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=90, eta_min=1e-4)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[10])
+
+
+def recorded_rates(
+    make_scheduler: Callable[[torch.optim.Optimizer], Any], lr: float, steps: int = 100
+) -> list[float]:
+    """The rates a torch scheduler sets, step by step, recorded from a stand-in optimizer
+    (docs/training.md's recipe for schedulers that no formula of the step gives as they do)."""
+    holder = torch.optim.SGD([torch.zeros(0)], lr=lr)
+    scheduler = make_scheduler(holder)
+    rates = []
+    for _ in range(steps):
+        rates.append(holder.param_groups[0]["lr"])
+        holder.step()  # a step of nothing, before the scheduler's, as torch asks
+        scheduler.step()
+    return rates
+
+
+class WithScheduler(Scheduled):
+    """torch.optim with one of torch's schedulers stepped after each step, as one 'optimizer'."""
+
+    def __init__(
+        self, inner: torch.optim.Optimizer, make_scheduler: Callable[[torch.optim.Optimizer], Any]
+    ) -> None:
+        self.inner = inner
+        self.scheduler = make_scheduler(inner)
+
+
+# Any scheduler that sets the learning rate alone: its recorded rates, as a schedule.
+CONFIGS["adamw_torch_scheduler"] = (
+    lambda p: WithScheduler(torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), warmup_then_cosine),  # type: ignore[dict-item]
+    lambda: optim.adamw(recorded_rates(warmup_then_cosine, 1e-2).__getitem__, weight_decay=0.1),
+)
+
+
 def by_dim(params: dict[str, torch.Tensor]) -> dict[str, str]:
     """The labels of a transformer script's two param groups: weight decay for the matrices,
     none for the biases and norms (the parameters of fewer dims)."""
