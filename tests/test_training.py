@@ -183,3 +183,68 @@ def test_dropout_is_reproducible_and_differs_between_replicas() -> None:
     assert torch.equal(first, second)
     assert not torch.equal(first, other)
     assert not torch.equal(out[:4], out[4:])  # replica 0 and replica 1 drew different masks
+
+
+def test_a_head_that_some_steps_leave_out_matches_torch_optim_with_an_optimizer_of_its_own() -> None:
+    """torch.optim skips a parameter whose .grad is None (a task head no loss of the step
+    reaches); fdp.grad gives it zeros, which AdamW still steps (weight decay, and the moments
+    of earlier steps), one step count for all. docs/training.md's recipe: the head gets a state
+    of its own, stepped on the steps that use it, as torch.optim's per-parameter state is."""
+
+    def make() -> nn.ModuleDict:
+        torch.manual_seed(0)
+        return nn.ModuleDict({"body": nn.Linear(6, 16), "a": nn.Linear(16, 3), "b": nn.Linear(16, 2)})
+
+    def loss_of(call: Any, x: torch.Tensor, y: torch.Tensor, uses_b: bool) -> torch.Tensor:
+        h = torch.tanh(call("body", x))
+        loss = F.cross_entropy(call("a", h), y % 3)
+        return loss + F.cross_entropy(call("b", h), y % 2) if uses_b else loss
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 6, (8,), generator=g)) for _ in range(6)]
+    reference = make()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for k, (x, y) in enumerate(batches):
+        torch_opt.zero_grad()
+        loss_of(lambda name, t: reference[name](t), x, y, k % 2 == 1).backward()
+        torch_opt.step()
+
+    model, opt = make(), optim.adamw(1e-2, weight_decay=0.1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def call_with(params: dict[str, torch.Tensor]) -> Any:
+        def call(name: str, t: torch.Tensor) -> torch.Tensor:
+            own = {k.partition(".")[2]: v for k, v in params.items() if k.startswith(name + ".")}
+            return fdp.functional_call(model[name], own, (t,))
+
+        return call
+
+    def run(separate: bool) -> dict[str, torch.Tensor]:
+        head = {k: v for k, v in params.items() if separate and k.startswith("b.")}
+        rest = {k: v for k, v in params.items() if k not in head}
+        state = fdp.device_put_replicated(
+            {"rest": rest, "head": head, "opt": opt.init(rest), "head_opt": opt.init(head)}, cpus(2)
+        )
+
+        @fdp.pmap(axis_name="i", devices=cpus(2), in_axes=(0, 0, 0, None), out_axes=fdp.PER_REPLICA)
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor, uses_b: bool) -> Any:
+            loss = lambda rest, head: loss_of(call_with({**rest, **head}), x, y, uses_b)  # noqa: E731
+            grads, head_grads = fdp.pmean(fdp.grad(loss, argnums=(0, 1))(state["rest"], state["head"]), "i")
+            new = dict(state)
+            new["rest"], new["opt"] = opt.apply_gradients(grads, state["opt"], state["rest"])
+            if uses_b:  # the head's loss is part of this step's
+                new["head"], new["head_opt"] = opt.apply_gradients(
+                    head_grads, state["head_opt"], state["head"]
+                )
+            return new
+
+        for k, (x, y) in enumerate(batches):
+            state = step(state, x, y, k % 2 == 1)
+        final = fdp.unreplicate(state)
+        return {**final["rest"], **final["head"]}
+
+    separate, together = run(separate=True), run(separate=False)
+    for k, v in reference.named_parameters():
+        torch.testing.assert_close(separate[k], v.detach(), atol=1e-6, rtol=1e-5)
+    # One state for all steps the head on the steps that leave it out: it moves.
+    assert not torch.allclose(together["b.weight"], reference["b"].weight.detach(), atol=1e-3)
