@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import cpus
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fdp
 from fdp import _replica, optim
@@ -248,3 +249,56 @@ def test_a_head_that_some_steps_leave_out_matches_torch_optim_with_an_optimizer_
         torch.testing.assert_close(separate[k], v.detach(), atol=1e-6, rtol=1e-5)
     # One state for all steps the head on the steps that leave it out: it moves.
     assert not torch.allclose(together["b.weight"], reference["b"].weight.detach(), atol=1e-3)
+
+
+class CheckpointedBlock(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(6, 32), nn.Linear(32, 3)
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.3))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.checkpointed:
+            h = checkpoint(self.block, h, use_reentrant=False, context_fn=fdp.rng_checkpoint_context)
+        else:
+            h = self.block(h)
+        return self.last(h)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_activation_checkpointing_inside_a_step_differentiated_by_fdp_grad(devices: int) -> None:
+    """A checkpointed block with dropout, recomputed inside the replica's backward (fdp.grad
+    by autograd, use_reentrant=False): the unchecked step's losses and parameters, bit for bit,
+    on uneven shards."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(7, 6, generator=g), torch.randint(0, 3, (7,), generator=g)) for _ in range(4)]
+
+    def train(checkpointed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model, opt = CheckpointedBlock(checkpointed), optim.adam(1e-2)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        @fdp.pmap(
+            axis_name="i", devices=cpus(devices), in_axes=(0, 0, 0, None), out_axes=(fdp.PER_REPLICA, None)
+        )
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor, seed: int) -> Any:
+            with fdp.rng_scope(fdp.replica_seed(seed, "i")):
+                loss, grads = fdp.value_and_grad(
+                    lambda p: F.cross_entropy(fdp.functional_call(model, p, (x,)), y)
+                )(state["params"])
+            grads, loss = fdp.pmean((grads, loss), "i", weight=x.shape[0])
+            new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": new_params, "opt": opt_state}, loss
+
+        state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, cpus(devices))
+        losses = []
+        for k, (x, y) in enumerate(batches):
+            state, loss = step(state, x, y, fdp.fold_in(7, k))
+            losses.append(loss)
+        return torch.stack(losses), fdp.unreplicate(state)["params"]
+
+    (losses, params), (expected_losses, expected) = train(True), train(False)
+    assert torch.equal(losses, expected_losses)
+    assert all(torch.equal(params[k], expected[k]) for k in expected)
