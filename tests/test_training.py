@@ -302,3 +302,55 @@ def test_activation_checkpointing_inside_a_step_differentiated_by_fdp_grad(devic
     (losses, params), (expected_losses, expected) = train(True), train(False)
     assert torch.equal(losses, expected_losses)
     assert all(torch.equal(params[k], expected[k]) for k in expected)
+
+
+class ClampGradient(torch.autograd.Function):
+    """The identity, whose backward clamps the gradient it is handed (not linear in it)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clamp(-0.01, 0.01)
+
+
+class ClampedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(ClampGradient.apply(torch.tanh(self.first(x))))
+
+
+def test_a_backward_that_clamps_its_gradient_needs_each_replicas_share_of_the_batchs_loss() -> None:
+    """docs/collectives.md: a shard's mean loss hands the clamp B/b times one device's gradient,
+    so the average of the shards' gradients is another step; each replica's share of the batch's
+    loss (a sum over its rows divided by the batch's rows), psummed, is one device's."""
+    torch.manual_seed(0)
+    model = ClampedNet()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
+        return F.cross_entropy(fdp.functional_call(model, p, (x,)), y, reduction=reduction)
+
+    expected = fdp.grad(loss)(params, x, y, "mean")
+
+    @fdp.pmap(axis_name="i", devices=cpus(3), in_axes=(None, 0, 0, None), out_axes=None)
+    def gradients(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, share: bool) -> Any:
+        if share:
+            rows = fdp.psum(x.shape[0], "i")
+            return fdp.psum(fdp.grad(lambda p: loss(p, x, y, "sum") / rows)(p), "i")
+        return fdp.pmean(fdp.grad(loss)(p, x, y, "mean"), "i", weight=x.shape[0])
+
+    shared, averaged = gradients(params, x, y, True), gradients(params, x, y, False)
+    for k in expected:
+        torch.testing.assert_close(shared[k], expected[k], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(averaged["first.weight"], expected["first.weight"], atol=1e-4)
