@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -184,6 +185,165 @@ def test_dropout_is_reproducible_and_differs_between_replicas() -> None:
     assert torch.equal(first, second)
     assert not torch.equal(first, other)
     assert not torch.equal(out[:4], out[4:])  # replica 0 and replica 1 drew different masks
+
+
+# --- training programs ported from one device ----------------------------------------------------
+
+
+class TinyLM(nn.Module):
+    """A language model as scripts write them: an embedding tied to the output layer, a learned
+    position table, a LayerNorm, a mask and labels among the inputs (labels by keyword, with
+    ignore_index=-100), and a dict of outputs that holds a string and a float beside the loss."""
+
+    def __init__(self, vocab: int = 20, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(6, d) * 0.1)
+        self.ln = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 16), nn.GELU(), nn.Linear(16, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, *, labels: torch.Tensor) -> dict[str, Any]:
+        h = self.emb(ids) + self.pos[: ids.shape[1]]
+        h = (h + self.ff(self.ln(h))) * mask.unsqueeze(-1)
+        logits = self.head(h)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        return {"loss_sum": loss_sum, "tokens": (labels != -100).sum(), "model": "tiny", "scale": 0.5}
+
+
+def tiny_lm() -> TinyLM:
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.pos.requires_grad_(False)  # frozen: torch.optim skips it, its .grad stays None
+    return model
+
+
+def lm_batches(count: int, rows: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, 20, (rows, 6), generator=g)
+        mask = (torch.rand(rows, 6, generator=g) > 0.3).float()
+        labels = torch.randint(0, 20, (rows, 6), generator=g).masked_fill(mask == 0, -100)
+        batches.append({"ids": ids, "mask": mask, "labels": labels})
+    return batches
+
+
+def lm_factor(step: int) -> float:
+    return min(1.0, (step + 1) / 2) * 0.5 * (1 + math.cos(math.pi * step / 8))
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    return p.dim() > 1  # no weight decay on biases and LayerNorm weights
+
+
+def lm_torch_training(model: nn.Module, steps: int, micro: int, rows: int) -> list[float]:
+    """The one-device script: AdamW with two param groups under a LambdaLR, micro-batches
+    accumulated into .grad (each batch's token mean over `micro`), clip_grad_norm_."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if decays(n, p)], "weight_decay": 0.1},
+            {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lm_factor)
+    batches = lm_batches(steps * micro, rows)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for b in batches[step * micro : (step + 1) * micro]:
+            out = model(b["ids"], b["mask"], labels=b["labels"])
+            assert (out["model"], out["scale"]) == ("tiny", 0.5)
+            loss = out["loss_sum"].sum() / out["tokens"].sum() / micro  # per replica under DataParallel
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        scheduler.step()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize(("devices", "rows"), [(2, 8), (3, 7)], ids=["2cpu", "3cpu-uneven"])
+def test_a_language_model_script_under_data_parallel_matches_one_device(devices: int, rows: int) -> None:
+    expected_model = tiny_lm()
+    expected = lm_torch_training(expected_model, steps=4, micro=2, rows=rows)
+    model = fdp.DataParallel(tiny_lm(), device_ids=cpus(devices))
+    losses = lm_torch_training(model, steps=4, micro=2, rows=rows)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=0, rtol=1e-5)
+    state, expected_state = model.state_dict(), expected_model.state_dict()
+    assert list(state) == [f"module.{k}" for k in expected_state]
+    for k, v in expected_state.items():
+        torch.testing.assert_close(state[f"module.{k}"], v, atol=1e-6, rtol=1e-5)
+    assert model.module.head.weight is model.module.emb.weight and model.module.pos.grad is None
+
+
+@pytest.mark.parametrize(("devices", "rows"), [(2, 8), (3, 7)], ids=["2cpu", "3cpu-uneven"])
+def test_a_language_model_script_with_resident_state_matches_one_device(devices: int, rows: int) -> None:
+    """The same script as a resident step: the tied weight once in the params (as
+    named_parameters() lists it), the frozen table beside them and not differentiated, param
+    groups as multi_transform under a clip in a chain, the LambdaLR as a schedule, and the
+    micro-batches' token means weighted by the whole batch's tokens inside the step."""
+    expected_model = tiny_lm()
+    expected = lm_torch_training(expected_model, steps=4, micro=2, rows=rows)
+
+    model = tiny_lm()
+    trainable = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
+    assert "head.weight" not in trainable and list(frozen) == ["pos"]
+    labels = lambda params: {k: "decay" if decays(k, v) else "no_decay" for k, v in params.items()}  # noqa: E731
+    opt = optim.chain(
+        optim.clip_by_global_norm(0.5),
+        optim.multi_transform(
+            {
+                "decay": optim.adamw(lambda k: 1e-2 * lm_factor(k), weight_decay=0.1),
+                "no_decay": optim.adamw(lambda k: 1e-2 * lm_factor(k), weight_decay=0.0),
+            },
+            labels,
+        ),
+    )
+
+    @fdp.pmap(axis_name="b", devices=cpus(devices), out_axes=(fdp.PER_REPLICA, None))
+    def step(state: dict[str, Any], micro: list[dict[str, torch.Tensor]]) -> Any:
+        tokens = [fdp.psum((b["labels"] != -100).sum(), "b") for b in micro]
+
+        def loss_fn(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = torch.zeros(())
+            for b, n in zip(micro, tokens):
+                out = fdp.functional_call(
+                    model, {**state["frozen"], **params}, (b["ids"], b["mask"]), {"labels": b["labels"]}
+                )
+                loss = loss + out["loss_sum"] / n / len(micro)
+            return loss
+
+        loss, grads = fdp.value_and_grad(loss_fn)(state["params"])
+        grads, loss = fdp.psum((grads, loss), "b")  # each replica's share of the whole batch's loss
+        params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        return {"params": params, "frozen": state["frozen"], "opt": opt_state}, loss
+
+    state = fdp.device_put_replicated(
+        {"params": trainable, "frozen": frozen, "opt": opt.init(trainable)}, cpus(devices)
+    )
+    batches = lm_batches(8, rows)
+    losses = []
+    for k in range(4):
+        state, loss = step(state, batches[2 * k : 2 * k + 2])
+        losses.append(float(loss))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=0, rtol=1e-5)
+    final = fdp.unreplicate(state)
+    # Back into a module, as docs/training.md copies them: by name, which fills both names of
+    # the tied weight (a strict load_state_dict of the params misses head.weight).
+    trained = tiny_lm()
+    with torch.no_grad():
+        for name, value in {**final["frozen"], **final["params"]}.items():
+            trained.get_parameter(name).copy_(value)
+    assert trained.head.weight is trained.emb.weight
+    for k, v in expected_model.state_dict().items():
+        torch.testing.assert_close(trained.state_dict()[k], v, atol=1e-6, rtol=1e-5)
 
 
 def test_a_head_that_some_steps_leave_out_matches_torch_optim_with_an_optimizer_of_its_own() -> None:
