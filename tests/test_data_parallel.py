@@ -1252,6 +1252,14 @@ def test_a_parameter_changed_in_place_by_forward_is_refused_where_replicas_share
     torch.testing.assert_close(emb.weight, expected.weight)
 
 
+def test_a_module_made_under_inference_mode_runs_on_several_cpu_replicas() -> None:
+    # Its parameters are inference tensors, which keep no version counter to read.
+    with torch.inference_mode():
+        model = nn.Linear(3, 2)
+        expected = model(torch.ones(4, 3))
+        torch.testing.assert_close(fdp.DataParallel(model, device_ids=cpus(2))(torch.ones(4, 3)), expected)
+
+
 def test_an_output_without_the_dim_to_concatenate_along_is_named_with_dim_not_out_axes() -> None:
     class ColumnSums(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
