@@ -184,6 +184,8 @@ class _State:
 
 
 _STATE: _State | None = None
+# How many times initialize() has joined a group in this process (see initialize).
+_SESSIONS = [0]
 
 
 class _Communicator:
@@ -510,16 +512,20 @@ def initialize(
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if store is None:
         store = _rendezvous_store(rank, world_size, timeout, attempt, owns_group)
+    # Each session of this process (initialize after shutdown, or after the group was destroyed)
+    # keeps its keys apart from the last one's, in the same store: torch names the new default
+    # group as it named the last ("0/"), so that gloo's rendezvous would find the last session's
+    # addresses there and connect to ports that are closed ("Connect timeout", "Connection
+    # refused", or a hang); and the last session's failure records and shutdown notes are not
+    # news to this one's calls, which count from 0 again. Every rank counts its sessions alike,
+    # as it counts its pmapped calls.
+    store = dist.PrefixStore(f"fdp/session_{_SESSIONS[0]}", store)
     if owns_group:
         _import_group_defaults()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         backend = str(dist.get_backend())  # what the group runs, for _polls
-    # What this rank left in the store in an earlier session of this attempt (initialize after
-    # shutdown) is not news to this one's calls, which count from 0 again.
-    for key in (_FAILURE_PREFIX, _LEFT_PREFIX):
-        with contextlib.suppress(Exception):
-            store.delete_key(f"{key}{attempt}/{rank}")
+    _SESSIONS[0] += 1
     _STATE = _State(
         rank,
         world_size,

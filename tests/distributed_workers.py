@@ -403,6 +403,25 @@ def recovered_failure(rank: int, world: int, folder: str) -> None:
         fdp.distributed.shutdown()
 
 
+def sessions(rank: int, world: int, folder: str) -> None:
+    """initialize() again after shutdown(), twice, on one store that outlives the sessions (as
+    torchrun's agent's does): each session's group must find its own peers' addresses there."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(folder) / "store"), world)
+    psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+    result = []
+    for _ in range(3):
+        try:
+            fdp.distributed.initialize(backend="gloo", rank=rank, world_size=world, store=store, timeout=20.0)
+            result.append(psum(torch.ones(1) * (rank + 1)).tolist())
+        except Exception as error:  # noqa: BLE001
+            result.append(f"{type(error).__name__}: {error}")
+            break
+        finally:
+            fdp.distributed.shutdown()
+    report(folder, rank, {"sessions": result})
+
+
 def restarted_attempts(rank: int, world: int, folder: str) -> None:
     """Two torchrun attempts on one store (torchrun's agent keeps its store across restarts):
     rank 1 fails in attempt 0; in attempt 1 it is only slower, and must not be taken as failed."""

@@ -318,7 +318,8 @@ def test_a_process_forked_from_a_rank_is_not_in_its_group(tmp_path: Path) -> Non
                 os.kill(pid, 9)
                 sys.exit("the child hung")
             time.sleep(0.05)
-        print("recorded", store.check(["fdp/failure/0/0"]), store.check(["fdp/left/0/0"]))
+        keys = ["fdp/session_0/fdp/failure/0/0", "fdp/session_0/fdp/left/0/0"]  # (its first session)
+        print("recorded", store.check(keys[:1]), store.check(keys[1:]))
         print("parent", fdp.distributed.is_initialized(), psum(torch.ones(2)).tolist())
         fdp.distributed.shutdown()
         """
@@ -367,6 +368,15 @@ def test_a_failure_every_rank_recovered_from_does_not_fail_later_calls(tmp_path:
     results, codes = spawn(distributed_workers.recovered_failure, tmp_path)
     assert codes == [0, 0], results
     assert all(r == {"psum": [4.0]} for r in results), results
+
+
+def test_initialize_again_after_shutdown_joins_a_new_group(tmp_path: Path) -> None:
+    # torch names each new default group as it named the last ("0/"): on the same store, gloo's
+    # rendezvous found the last session's addresses and failed to connect ("Connect timeout",
+    # "Connection refused"), or hung.
+    results, codes = spawn(distributed_workers.sessions, tmp_path, timeout=60.0)
+    assert codes == [0, 0], results
+    assert all(r["sessions"] == [[3.0]] * 3 for r in results), results
 
 
 def test_a_failure_of_an_earlier_torchrun_attempt_does_not_fail_the_next(tmp_path: Path) -> None:
@@ -916,8 +926,9 @@ def test_shutdown_in_a_generator_closed_early_leaves_a_note_not_a_failure(
             fdp.distributed.shutdown()
 
     steps = session()
+    prefix = f"fdp/session_{_distributed._SESSIONS[0]}/"  # this process's next session's keys
     next(steps)
     steps.close()
     assert not fdp.distributed.is_initialized()
-    assert not store.check(["fdp/failure/0/0"])
-    assert store.check(["fdp/left/0/0"])
+    assert not store.check([prefix + "fdp/failure/0/0"])
+    assert store.check([prefix + "fdp/left/0/0"])
