@@ -956,6 +956,19 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
         groups.setdefault(row[8:], []).append(r)
     entries = [(_decode(entry) + ["?"] * 7)[:7] for entry in groups]
     ranks = list(groups.values())
+    if len({(kind, name, detail, call) for kind, _, _, name, detail, _, call in entries}) == 1 and (
+        entries[0][0] == "call"
+    ):
+        # The starts of calls of different pmapped functions.
+        kind, *_, call = entries[0]
+        started = "; ".join(f"{_ranks(rs)} {entry[5]}" for entry, rs in zip(entries, ranks))
+        return (
+            f"fdp.distributed: the processes started calls of different pmapped functions as "
+            f"pmapped call #{call}: {started}. Every process must make the same pmapped calls with "
+            "an axis name, in the same order (each spans every process): a call made on some ranks "
+            "only, such as an evaluation under `if fdp.distributed.is_main_process():`, meets "
+            "another call on the others."
+        )
     if len({(kind, name, detail, call) for kind, _, _, name, detail, _, call in entries}) == 1:
         kind, _, _, name, detail, _, call = entries[0]
         when = _when(kind, call)
@@ -981,7 +994,7 @@ def _disagreement(rows: list[bytes], layouts: Callable[[], list[Any]]) -> str:
     def called(entry: list[str]) -> str:
         kind, _, _, name, detail, tensor, call = entry
         if kind == "call":
-            return f"started pmapped call #{call}"
+            return f"started pmapped call #{call} ({tensor})"
         return f"called {name} ({detail} of {tensor}; {_when(kind, call)})"
 
     return (
@@ -1129,7 +1142,8 @@ def _collective(
     process's ``payload``, and every process's ``tensor`` if it travelled along.
 
     ``described``: what the processes compare of ``tensor`` where its size differs between
-    them (rows sent to some processes only); such a tensor never travels along."""
+    them (rows sent to some processes only); such a tensor never travels along. Without a
+    tensor: what else they compare (the pmapped function, at the start of a call)."""
     state = _live_state()
     travels = described is None
     if described is None:
@@ -1548,14 +1562,24 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
     return _tree.unflatten(treespec, out)
 
 
-def replica_counts(local: int) -> list[int]:
-    """Every process's number of local replicas for a new pmapped call (one small all_gather,
-    which also checks that every process starts a pmapped call here)."""
+def replica_counts(local: int, caller: str) -> list[int]:
+    """Every process's number of local replicas for a new pmapped call of ``caller`` (the
+    pmapped function, as messages name it: ``fdp.pmap(train_step)``): one small all_gather,
+    which also checks that every process starts a call of that function here."""
     state = _live_state()
     state.calls += 1
     try:
+        # The function is compared too: calls of different functions whose collectives agree
+        # in kind and layout (a pmean of a scalar loss in an evaluation on rank 0 alone and in
+        # the training step on the others) would otherwise be combined, silently.
         counts, _ = _collective(
-            "the start of a pmapped call", "an exchange of replica counts", None, [], local, kind="call"
+            "the start of a pmapped call",
+            "an exchange of replica counts",
+            None,
+            [],
+            local,
+            kind="call",
+            described=caller,
         )
     except BaseException as error:
         # As a failure in the call's collectives is: the other ranks, waiting in this exchange
@@ -1653,7 +1677,8 @@ def _check_chunks(rows: int, sizes: list[int], local_replicas: int) -> None:
             )
 
 
-def global_layout(local: int) -> tuple[int, int, list[int]]:
-    """(offset of this process's first replica, global replica count, every process's count)."""
-    counts = replica_counts(local)
+def global_layout(local: int, caller: str) -> tuple[int, int, list[int]]:
+    """(offset of this process's first replica, global replica count, every process's count)
+    for a new pmapped call of ``caller`` (see :func:`replica_counts`)."""
+    counts = replica_counts(local, caller)
     return sum(counts[: rank()]), sum(counts), counts

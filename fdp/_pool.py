@@ -505,7 +505,7 @@ def run_replicas(
     ):
         return _run_in_caller(devices, replicas, caller=caller, timing=timing)
     rng_seed = _random.call_seed()  # a call inside fdp.rng_scope: each replica gets its own
-    group = _call_group(n, devices, axis_name)
+    group = _call_group(n, devices, axis_name, caller)
     state = _thread_state.capture()
     # Under torch.utils.checkpoint the replicas save their tensors through the caller's hooks,
     # which match a recomputation's tensors to the forward's by order: run at once, replicas
@@ -785,13 +785,15 @@ def _reported_failure(
     return failure
 
 
-def _call_group(n: int, devices: tuple[torch.device, ...], axis_name: Hashable | None) -> _replica.CallGroup:
+def _call_group(
+    n: int, devices: tuple[torch.device, ...], axis_name: Hashable | None, caller: str
+) -> _replica.CallGroup:
     """The replicas' shared state; with an axis name under fdp.distributed, placed among every
-    process's replicas."""
+    process's replicas (``caller``: the pmapped function, which every process must be calling)."""
     group = _replica.CallGroup(n, devices)
     if axis_name is not None and _distributed.joined():
         # The axis spans every process: one exchange of replica counts places this one's.
-        group.offset, group.global_size, group.counts = _distributed.global_layout(n)
+        group.offset, group.global_size, group.counts = _distributed.global_layout(n, caller)
         group.distributed = True
     return group
 
@@ -841,7 +843,7 @@ class LoneReplica:
         if context is None:
             # Before the group: under fdp.distributed, making one talks to the other processes.
             ensure_not_in_replica(self.caller)
-            group = _call_group(1, (self.device,), self.axis_name)
+            group = _call_group(1, (self.device,), self.axis_name, self.caller)
             context = _replica.ReplicaContext(self.axis_name, 0, 1, self.device, group)
         previous = _replica.swap_current(context)
         if previous is not None:  # called inside a replica: refused (one thread-local read)

@@ -459,6 +459,15 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
     with warnings.catch_warnings():  # torch deprecates quantized tensors
         warnings.simplefilter("ignore", UserWarning)
         quantized = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+
+    # Calls of different functions whose collectives agree (an evaluation made on rank 0 alone,
+    # while rank 1 trains): their psums were combined, silently.
+    def evaluate(x):
+        return fdp.psum(x, "i")
+
+    def train(x):
+        return fdp.psum(x, "i")
+
     cases = {
         "op": lambda x: fdp.psum(x, "i") if r == 0 else fdp.pmax(x, "i"),
         "mean": lambda x: fdp.psum(x, "i") if r == 0 else fdp.pmean(x, "i"),
@@ -485,6 +494,7 @@ def mismatched_collectives(rank: int, world: int, folder: str) -> None:
         "order": lambda x: fdp.psum(dict([("a", x), ("b", x * 10)][:: 1 - 2 * r]), "i")["b"],
         # torch.distributed sends no quantized tensors: refused alike by every rank, by name.
         "quantized": lambda x: fdp.all_gather({"q": quantized}, "i"),
+        "functions": (evaluate, train)[r],
         "skipped": lambda x: fdp.psum(x, "i") if r == 0 else x,
     }
     result = {}

@@ -463,8 +463,19 @@ def test_processes_that_call_different_collectives_fail_alike_naming_them(tmp_pa
         assert "Cast to one dtype" in r["dtype"]["message"], r["dtype"]
         assert "uneven" not in r["dtype"]["message"], r["dtype"]
         assert "float32[5000] on rank 0, float32[5001] on rank 1" in r["large"]["message"], r["large"]
+    for r in results:
+        assert r["functions"].get("error") == "ValueError", r["functions"]
+        assert (
+            "the processes started calls of different pmapped functions as pmapped call #"
+            in r["functions"]["message"]
+        ), r["functions"]
+        assert (
+            "rank 0 fdp.pmap(mismatched_collectives.<locals>.evaluate); "
+            "rank 1 fdp.pmap(mismatched_collectives.<locals>.train)." in r["functions"]["message"]
+        ), r["functions"]
     skipped = results[1]["skipped"]["message"]
     assert "rank 0 called fdp.psum" in skipped and "rank 1 started pmapped call" in skipped, skipped
+    assert "(fdp.pmap(mismatched_collectives.<locals>.<lambda>))" in skipped, skipped
 
 
 def test_broadcast_gives_every_process_one_process_values(tmp_path: Path) -> None:
