@@ -179,6 +179,10 @@ class _State:
     # The pmapped calls that spanned the processes so far, the current one included: the same
     # on every rank, as their calls are (SPMD). Failure records name the call they belong to.
     calls: int = 0
+    # The last of them that failed on this rank (0: none), and the current one's function (as
+    # messages name it): the next call's exchange compares whether the last one failed.
+    failed: int = 0
+    caller: str = ""
     # Set in a process forked from this rank (see _mark_forked_child): not a member of the group.
     forked: bool = False
 
@@ -691,7 +695,24 @@ def record_call_failure(error: BaseException) -> None:
     news to the ranks still waiting in this call's collectives, not to later calls."""
     state = _STATE
     if state is not None:
+        state.failed = state.calls
         _record(state, error, state.calls)
+
+
+def calls() -> int:
+    """How many pmapped calls have spanned the processes (0 without :func:`initialize`)."""
+    state = _STATE
+    return 0 if state is None else state.calls
+
+
+def call_failed(error: BaseException, began: int) -> None:
+    """A pmapped call with an axis name, made when :func:`calls` was ``began``, failed here. If it
+    got past its exchange of replica counts (it has a number of its own) and its failure is not
+    recorded yet (one that came after its replicas returned: joining their outputs, say), it is
+    recorded now: the next call's exchange compares whether the ranks' last calls failed."""
+    state = _STATE
+    if state is not None and state.calls != began and state.failed != state.calls:
+        record_call_failure(error)
 
 
 def skip_call(error: BaseException) -> None:
@@ -701,6 +722,7 @@ def skip_call(error: BaseException) -> None:
     state = _STATE
     if state is not None:
         state.calls += 1
+        state.failed = state.calls
         _record(state, error, state.calls)
 
 
@@ -1567,17 +1589,25 @@ def replica_counts(local: int, caller: str) -> list[int]:
     pmapped function, as messages name it: ``fdp.pmap(train_step)``): one small all_gather,
     which also checks that every process starts a call of that function here."""
     state = _live_state()
+    # Whether this rank's last call failed travels in the payload, beside the count: a call
+    # that failed on some ranks only after its last collective had returned on the others,
+    # which went on with what it returned (a training step's new state) while the failed ranks
+    # went on without it, silently out of step. One process running every replica fails the
+    # whole call instead.
+    failed_last = state.calls > 0 and state.failed == state.calls
+    last, last_caller = state.calls, state.caller
     state.calls += 1
+    state.caller = caller
     try:
         # The function is compared too: calls of different functions whose collectives agree
         # in kind and layout (a pmean of a scalar loss in an evaluation on rank 0 alone and in
         # the training step on the others) would otherwise be combined, silently.
-        counts, _ = _collective(
+        payloads, _ = _collective(
             "the start of a pmapped call",
             "an exchange of replica counts",
             None,
             [],
-            local,
+            local | int(failed_last) << 32,
             kind="call",
             described=caller,
         )
@@ -1586,7 +1616,46 @@ def replica_counts(local: int, caller: str) -> list[int]:
         # (an interrupt landed here while they were late), learn of it at once.
         record_call_failure(error)
         raise
-    return counts
+    failed = [r for r, payload in enumerate(payloads) if payload >> 32]
+    if 0 < len(failed) < len(payloads):
+        # Every rank raises it, here: no one waits to be told, and the failed ranks' records of
+        # their last call, which the others quote, stay.
+        state.failed = state.calls
+        raise RankFailed(_failed_on_some_ranks(state, failed, last, last_caller))
+    return [payload & 0xFFFFFFFF for payload in payloads]
+
+
+def _failed_on_some_ranks(state: _State, failed: list[int], call: int, caller: str) -> str:
+    """The message for ranks whose pmapped call ``call`` (of ``caller``) failed on the ranks
+    ``failed`` only, and returned on the others: the same on every rank."""
+    returned = [r for r in range(state.world_size) if r not in failed]
+    # (Last: a quoted failure may span lines, fdp's notes on which replica raised it.)
+    said = "".join(
+        f" Rank {r} failed with {message}"
+        for r in failed
+        if (message := _recorded_failure(state, r, call)) is not None
+    )
+    return (
+        f"fdp.distributed: pmapped call #{call} ({caller}) failed on {_ranks(failed)} but returned on "
+        f"{_ranks(returned)}: the ranks are out of step (what the call returned, a training step's "
+        f"new state, exists on {_ranks(returned)} only), and every rank raises this error at the "
+        f"start of pmapped call #{state.calls} ({state.caller}). A call that fails on some ranks "
+        "only, after its last collective, has already returned on the others, which cannot fail "
+        "it any more: let the processes end (torchrun --max-restarts starts them again, from the "
+        f"last checkpoint) rather than catch such a failure and go on.{said}"
+    )
+
+
+def _recorded_failure(state: _State, rank: int, call: int) -> str | None:
+    """The failure that ``rank`` (this one too) recorded for pmapped call ``call``, if any."""
+    try:
+        key = _failure_key(state, rank)
+        if not state.store.check([key]):
+            return None
+        recorded, _, message = state.store.get(key).decode().partition("\n")
+    except Exception:  # noqa: BLE001 - a store that is gone tells nothing
+        return None
+    return message if recorded == str(call) else None
 
 
 # --- data ------------------------------------------------------------------------------------------

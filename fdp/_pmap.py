@@ -19,7 +19,19 @@ import optree
 import torch
 from torch import nn
 
-from . import _axes, _compile, _devices, _functional_call, _gather, _pool, _random, _scatter, _split, _tree
+from . import (
+    _axes,
+    _compile,
+    _devices,
+    _distributed,
+    _functional_call,
+    _gather,
+    _pool,
+    _random,
+    _scatter,
+    _split,
+    _tree,
+)
 
 __all__ = ["pmap", "Pmapped"]
 
@@ -271,39 +283,50 @@ class Pmapped(Generic[P, R]):
         except Exception as error:
             self._failed_before_running(error)
             raise
-        row = None
-        if lone is not None:
-            row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
-            if row is not None and row is not leaves and not exact:
-                # Resident state: the trees are rebuilt with each PerReplica's value, from their
-                # exact structure (a loose match may hold another call's containers).
-                leaves, treespec, plan, exact = self._arguments(parts, roots, exact=True)
+        # Under fdp.distributed a call that fails once it has passed its exchange of replica
+        # counts is recorded, wherever it fails: the next call's exchange compares whether the
+        # ranks' last calls failed (see _distributed.replica_counts).
+        began = _distributed.calls() if self.axis_name is not None else -1
+        try:
+            row = None
+            if lone is not None:
                 row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
-            self._lone_exact = row is not leaves
-        if lone is not None and row is not None:
-            # One replica that scattering would hand every tensor unchanged: it runs on the
-            # argument trees as they are (or rebuilt with the resident values), with no general
-            # scatter. Around a step of a millisecond, the skipped work would be measurable.
-            tree = parts if row is leaves else _tree.unflatten(treespec, row)
-            outputs = [lone(self._call_replica, tree, statics)]
-            run_on: tuple[torch.device, ...] = devices
-        else:
-            if not exact:  # the trees are rebuilt from the structure: exactly
-                leaves, treespec, plan, _ = self._arguments(parts, roots, exact=True)
-            outputs, run_on = self._scatter_and_run(leaves, treespec, plan, devices, parts, roots, statics)
-        return _gather.gather_outputs(
-            outputs,
-            output_device,
-            self.out_axes,
-            caller=caller,
-            check=self.check_unmapped_outputs,
-            plans=self._out_plans,
-            structure=self._outputs,
-            devices=run_on,
-            inputs=leaves,
-            rename=self.rename_paths,
-            user_output=self.user_output,
-        )
+                if row is not None and row is not leaves and not exact:
+                    # Resident state: the trees are rebuilt with each PerReplica's value, from their
+                    # exact structure (a loose match may hold another call's containers).
+                    leaves, treespec, plan, exact = self._arguments(parts, roots, exact=True)
+                    row = _scatter.one_replica_row(leaves, plan.axes, lone.device, all_zero=plan.all_zero)
+                self._lone_exact = row is not leaves
+            if lone is not None and row is not None:
+                # One replica that scattering would hand every tensor unchanged: it runs on the
+                # argument trees as they are (or rebuilt with the resident values), with no general
+                # scatter. Around a step of a millisecond, the skipped work would be measurable.
+                tree = parts if row is leaves else _tree.unflatten(treespec, row)
+                outputs = [lone(self._call_replica, tree, statics)]
+                run_on: tuple[torch.device, ...] = devices
+            else:
+                if not exact:  # the trees are rebuilt from the structure: exactly
+                    leaves, treespec, plan, _ = self._arguments(parts, roots, exact=True)
+                outputs, run_on = self._scatter_and_run(
+                    leaves, treespec, plan, devices, parts, roots, statics
+                )
+            return _gather.gather_outputs(
+                outputs,
+                output_device,
+                self.out_axes,
+                caller=caller,
+                check=self.check_unmapped_outputs,
+                plans=self._out_plans,
+                structure=self._outputs,
+                devices=run_on,
+                inputs=leaves,
+                rename=self.rename_paths,
+                user_output=self.user_output,
+            )
+        except BaseException as error:
+            if began >= 0:
+                _distributed.call_failed(error, began)
+            raise
 
     def _failed_before_running(self, error: BaseException) -> None:
         """A call that failed before its exchange of replica counts (bad arguments, devices this
@@ -311,8 +334,6 @@ class Pmapped(Generic[P, R]):
         counts as a call all the same, and the other processes, waiting in that exchange, learn
         of the failure at once rather than at the timeout (see _distributed.skip_call)."""
         if self.axis_name is not None:
-            from . import _distributed  # local: only a failing call needs it
-
             _distributed.skip_call(error)
 
     def _arguments(

@@ -422,6 +422,33 @@ def sessions(rank: int, world: int, folder: str) -> None:
     report(folder, rank, {"sessions": result})
 
 
+def failed_on_one_rank_after_the_last_collective(rank: int, world: int, folder: str) -> None:
+    """Rank 1's call fails after the call's psum, once in a replica (an out-of-memory error in
+    the update, say) and once in joining its replicas' outputs; it catches the failure and goes
+    on (skipping the batch), while rank 0's call returned: the next call must fail on both."""
+    start(rank, world, folder, timeout=20.0)
+    result: dict = {}
+
+    def step(x):
+        total = fdp.psum(x, "i")
+        if fdp.distributed.rank() == 1 and float(x[0]) == 1.0:
+            raise RuntimeError("out of memory in the update")
+        if fdp.distributed.rank() == 1 and float(x[0]) == 3.0 and fdp.axis_index("i") == 2:
+            return total[None]  # beside the other replica's [2]: cannot be concatenated
+        return total
+
+    f = fdp.pmap(step, axis_name="i", devices=["cpu", "cpu"])
+    try:
+        for call in range(1, 6):
+            try:
+                result[str(call)] = f(torch.full((4,), float(call))).tolist()
+            except Exception as error:  # noqa: BLE001 - skip the batch, as a training loop may
+                result[str(call)] = f"{type(error).__name__}: {error}"
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def restarted_attempts(rank: int, world: int, folder: str) -> None:
     """Two torchrun attempts on one store (torchrun's agent keeps its store across restarts):
     rank 1 fails in attempt 0; in attempt 1 it is only slower, and must not be taken as failed."""

@@ -1331,6 +1331,12 @@ TESTED_APART = {
     "processes passing different trees to a collective under `fdp.distributed`": (
         "tests/test_distributed.py",
     ),
+    "processes starting calls of different pmapped functions under `fdp.distributed`": (
+        "tests/test_distributed.py",
+    ),
+    "a pmapped call that failed on some ranks only, after its last collective, under `fdp.distributed`": (
+        "tests/test_distributed.py",
+    ),
 }
 
 

@@ -379,6 +379,30 @@ def test_initialize_again_after_shutdown_joins_a_new_group(tmp_path: Path) -> No
     assert all(r["sessions"] == [[3.0]] * 3 for r in results), results
 
 
+def test_a_call_that_failed_on_some_ranks_only_after_its_last_collective_fails_the_next_everywhere(
+    tmp_path: Path,
+) -> None:
+    # Rank 0's call returned (a training step's new state), rank 1's failed after the psum and it
+    # went on: the ranks went on out of step, silently, where one process fails the whole call.
+    results, codes = spawn(distributed_workers.failed_on_one_rank_after_the_last_collective, tmp_path)
+    assert codes == [0, 0], results
+    rank0, rank1 = results
+    assert rank0["1"] == [4.0] * 4 and rank1["1"].startswith("RuntimeError: out of memory in the update")
+    assert rank0["3"] == [12.0] * 4 and rank1["3"].startswith("ValueError: fdp.pmap("), rank1
+    for r in results:
+        for failed, then in (("1", "2"), ("3", "4")):
+            assert r[then].startswith(
+                f"RankFailed: fdp.distributed: pmapped call #{failed} "
+                "(fdp.pmap(failed_on_one_rank_after_the_last_collective.<locals>.step)) failed on "
+                "rank 1 but returned on rank 0: the ranks are out of step"
+            ), r[then]
+            assert f"at the start of pmapped call #{then} (fdp.pmap(" in r[then], r[then]
+        assert "Rank 1 failed with RuntimeError: out of memory in the update" in r["2"], r["2"]
+        assert "Rank 1 failed with ValueError: fdp.pmap(" in r["4"], r["4"]
+        assert r["5"] == [20.0] * 4, r  # every rank failed call #4: in step again
+    assert rank0["2"] == rank1["2"] and rank0["4"] == rank1["4"], results  # the same error everywhere
+
+
 def test_a_failure_of_an_earlier_torchrun_attempt_does_not_fail_the_next(tmp_path: Path) -> None:
     results, codes = spawn(distributed_workers.restarted_attempts, tmp_path)
     assert codes == [0, 0], results
