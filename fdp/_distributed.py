@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -183,6 +184,10 @@ class _State:
     # messages name it): the next call's exchange compares whether the last one failed.
     failed: int = 0
     caller: str = ""
+    # The call that spans the processes now: its thread, and a weak reference to its replicas'
+    # call group, which is ``done`` once they have all returned (weak: the group holds the
+    # call's replicas and their arguments).
+    running: tuple[threading.Thread, weakref.ref[Any]] | None = None
     # Set in a process forked from this rank (see _mark_forked_child): not a member of the group.
     forked: bool = False
 
@@ -190,6 +195,9 @@ class _State:
 _STATE: _State | None = None
 # How many times initialize() has joined a group in this process (see initialize).
 _SESSIONS = [0]
+# Held while a pmapped call checks that no other thread's call spans the processes, and notes
+# itself (see global_layout).
+_STARTING = threading.Lock()
 
 
 class _Communicator:
@@ -1746,8 +1754,38 @@ def _check_chunks(rows: int, sizes: list[int], local_replicas: int) -> None:
             )
 
 
-def global_layout(local: int, caller: str) -> tuple[int, int, list[int]]:
+def global_layout(local: int, caller: str, group: Any) -> tuple[int, int, list[int]]:
     """(offset of this process's first replica, global replica count, every process's count)
-    for a new pmapped call of ``caller`` (see :func:`replica_counts`)."""
-    counts = replica_counts(local, caller)
+    for a new pmapped call of ``caller`` (see :func:`replica_counts`), whose replicas' call
+    group is ``group``."""
+    state = _live_state()
+    with _STARTING:  # (two threads starting calls at once: one of them is refused)
+        thread, running = state.running or (None, None)
+        group_running = running() if running is not None else None
+        if (
+            thread is not None
+            and thread is not threading.current_thread()
+            and thread.is_alive()
+            and group_running is not None
+            and not group_running.done
+        ):
+            # Each rank would order its threads' calls as they happen to run, and the calls of
+            # different threads would meet on the ranks, their collectives combined where they
+            # agree: silently wrong results. (Refused before the exchange: this call counts for
+            # nothing, on no rank.)
+            raise RuntimeError(
+                f"{caller}: under fdp.distributed, pmapped calls with an axis name span the "
+                "processes and must be made one at a time, in the same order on every rank, but "
+                f"this call started in thread {threading.current_thread().name!r} while pmapped "
+                f"call #{state.calls} ({state.caller}) runs in thread {thread.name!r}. Calls made "
+                "at once from several threads would meet other threads' calls on the other "
+                "ranks, each rank ordering them as its threads happen to run: make them from one "
+                "thread, or one after another (a call's backward included)."
+            )
+        state.running = (threading.current_thread(), weakref.ref(group))
+    try:
+        counts = replica_counts(local, caller)
+    except BaseException:
+        state.running = None  # the call ends here
+        raise
     return sum(counts[: rank()]), sum(counts), counts

@@ -645,6 +645,7 @@ def run_replicas(
             # Nothing runs replica 0 now: release whatever was queued, which would wait for it.
             group.abort(0, error)
             group.finish(0)
+            group.done = True
             raise
     try:
         start = time.perf_counter()
@@ -793,7 +794,7 @@ def _call_group(
     group = _replica.CallGroup(n, devices)
     if axis_name is not None and _distributed.joined():
         # The axis spans every process: one exchange of replica counts places this one's.
-        group.offset, group.global_size, group.counts = _distributed.global_layout(n, caller)
+        group.offset, group.global_size, group.counts = _distributed.global_layout(n, caller, group)
         group.distributed = True
     return group
 

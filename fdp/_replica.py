@@ -78,6 +78,7 @@ class CallGroup:
         "_next",
         "before_wait",
         "turnstile",
+        "__weakref__",  # fdp.distributed notes the call that spans the processes now
     )
 
     def __init__(self, size: int, devices: Sequence[torch.device]) -> None:

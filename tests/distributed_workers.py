@@ -449,6 +449,46 @@ def failed_on_one_rank_after_the_last_collective(rank: int, world: int, folder: 
         fdp.distributed.shutdown()
 
 
+def threads_at_once(rank: int, world: int, folder: str) -> None:
+    """A second thread starts a pmapped call while the main thread's spans the processes: it is
+    refused (each rank would order the threads' calls as they happen to run, and combine one
+    thread's collectives with another's). One made after the main thread's call has returned
+    runs."""
+    import threading
+
+    start(rank, world, folder, timeout=20.0)
+    entered, released = threading.Event(), threading.Event()
+    result: dict = {}
+    psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+
+    def slow(x):
+        entered.set()
+        released.wait(20)
+        return fdp.psum(x, "i")
+
+    def meanwhile():
+        entered.wait(20)
+        try:
+            result["meanwhile"] = timed_outcome(lambda: psum(torch.ones(1)))
+        finally:
+            released.set()
+
+    def afterwards():
+        result["afterwards"] = psum(torch.ones(1) * 5).tolist()
+
+    try:
+        thread = threading.Thread(target=meanwhile, name="evaluation")
+        thread.start()
+        result["main"] = fdp.pmap(slow, axis_name="i", devices=["cpu"])(torch.ones(1)).tolist()
+        thread.join()
+        thread = threading.Thread(target=afterwards)
+        thread.start()
+        thread.join()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
 def restarted_attempts(rank: int, world: int, folder: str) -> None:
     """Two torchrun attempts on one store (torchrun's agent keeps its store across restarts):
     rank 1 fails in attempt 0; in attempt 1 it is only slower, and must not be taken as failed."""

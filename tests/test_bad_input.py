@@ -1334,6 +1334,9 @@ TESTED_APART = {
     "processes starting calls of different pmapped functions under `fdp.distributed`": (
         "tests/test_distributed.py",
     ),
+    "pmapped calls with an axis name made at once from several threads under `fdp.distributed`": (
+        "tests/test_distributed.py",
+    ),
     "a pmapped call that failed on some ranks only, after its last collective, under `fdp.distributed`": (
         "tests/test_distributed.py",
     ),

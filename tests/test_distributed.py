@@ -403,6 +403,22 @@ def test_a_call_that_failed_on_some_ranks_only_after_its_last_collective_fails_t
     assert rank0["2"] == rank1["2"] and rank0["4"] == rank1["4"], results  # the same error everywhere
 
 
+def test_a_pmapped_call_from_another_thread_while_one_spans_the_processes_is_refused(tmp_path: Path) -> None:
+    # Each rank ordered its threads' calls as they happened to run, and combined one thread's
+    # collectives with another's: silently wrong results (1001 for a psum of 1 and of 1000).
+    results, codes = spawn(distributed_workers.threads_at_once, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:
+        assert r["main"] == [2.0] and r["afterwards"] == [10.0], r
+        assert r["meanwhile"]["error"] == "RuntimeError", r
+        assert (
+            "under fdp.distributed, pmapped calls with an axis name span the processes and must be "
+            "made one at a time, in the same order on every rank, but this call started in thread "
+            "'evaluation' while pmapped call #1 (fdp.pmap(threads_at_once.<locals>.slow)) runs in "
+            "thread 'MainThread'" in r["meanwhile"]["message"]
+        ), r
+
+
 def test_a_failure_of_an_earlier_torchrun_attempt_does_not_fail_the_next(tmp_path: Path) -> None:
     results, codes = spawn(distributed_workers.restarted_attempts, tmp_path)
     assert codes == [0, 0], results
