@@ -463,6 +463,10 @@ def initialize(
             not set and not passed, as in a process not launched by ``torchrun``; or when
             :func:`initialize` was already called in this process (without :func:`shutdown`); or
             in a process forked from a member of a process group, whose group is its parent's.
+        TypeError: ``timeout`` is no number or timedelta, or ``rank`` or ``world_size`` (or the
+            environment variable it came from) is no int.
+        ValueError: ``timeout`` is not positive, ``world_size`` is not positive, or ``rank`` is
+            not from 0 to ``world_size - 1``.
 
     Examples:
         >>> import fdp
@@ -494,12 +498,18 @@ def initialize(
         if _group_alive(_STATE):
             raise RuntimeError("fdp.distributed.initialize was already called in this process")
         shutdown()  # its group was destroyed behind fdp's back: start again
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    timeout = _checked_timeout(timeout)
     owns_group = not dist.is_initialized()
     if owns_group:
+        # (torch's own checks name neither the call nor where the value came from.)
+        env = "the environment variable "
+        named = (
+            "rank" if rank is not None else env + "RANK",
+            "world_size" if world_size is not None else env + "WORLD_SIZE",
+        )
         rank = _env_int("RANK") if rank is None else rank
         world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+        rank, world_size = _checked_ranks(rank, world_size, *named)
     else:
         rank, world_size = _existing_group_ranks(rank, world_size)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -557,6 +567,47 @@ def initialize(
         previous_hook(kind, error, trace)
 
     sys.excepthook = record_uncaught
+
+
+def _checked_timeout(timeout: Any) -> datetime.timedelta:
+    """``initialize``'s ``timeout`` as a timedelta: a positive, finite number of seconds."""
+    caller = "fdp.distributed.initialize"
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"{caller}: timeout must be a number of seconds or a datetime.timedelta, got "
+            f"{type(timeout).__name__}: {_tree.short_repr(timeout)}"
+        )
+    # (gloo refuses a negative one in its own words; 0 would fail every collective at once.)
+    if not (0 < seconds < math.inf):
+        raise ValueError(
+            f"{caller}: timeout must be positive and finite (how long a collective may wait for "
+            f"the other ranks, in seconds), got {_tree.short_repr(timeout)}"
+        )
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
+
+
+def _checked_ranks(rank: Any, world_size: Any, rank_name: str, size_name: str) -> tuple[int, int]:
+    """``rank`` and ``world_size`` as ints; a ``TypeError`` or ``ValueError`` for values that are
+    no rank or size, naming where each came from (an argument, or an environment variable)."""
+    caller = "fdp.distributed.initialize"
+    for name, value in ((size_name, world_size), (rank_name, rank)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}: {value!r}")
+    rank, world_size = int(rank), int(world_size)
+    if world_size < 1:
+        raise ValueError(
+            f"{caller}: {size_name} must be a positive int (the number of processes), got {world_size}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"{caller}: {rank_name} must be an int from 0 to {world_size - 1} ({size_name} is "
+            f"{world_size}), got {rank}"
+        )
+    return rank, world_size
 
 
 def _existing_group_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:

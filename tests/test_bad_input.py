@@ -13,6 +13,7 @@ import numpy as np
 import optree
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import cpus, opaque
 from torch import nn
 
@@ -1319,7 +1320,38 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"^fdp.grad\(fn\)\(\*args\): argnums=\(1, -1\) names args\[1\] twice: each argument is "
         r"differentiated once, so give each position once$",
     ),
+    (
+        # float("abc") failed in Python's words; a negative timeout in gloo's ("Invalid timeout"),
+        # after the store was made; 0 was taken, and every collective failed at once.
+        "a bad `timeout`, `rank` or `world_size` for `fdp.distributed.initialize`",
+        lambda: (),
+        lambda a: fdp.distributed.initialize(
+            backend="gloo", rank=0, world_size=1, store=dist.HashStore(), timeout="30"
+        ),
+        TypeError,
+        r"^fdp.distributed.initialize: timeout must be a number of seconds or a datetime.timedelta, "
+        r"got str: '30'$",
+    ),
+    (
+        "a bad `timeout`, `rank` or `world_size` for `fdp.distributed.initialize`",
+        lambda: (),
+        lambda a: fdp.distributed.initialize(
+            backend="gloo", rank=0, world_size=1, store=dist.HashStore(), timeout=0
+        ),
+        ValueError,
+        r"^fdp.distributed.initialize: timeout must be positive and finite \(how long a collective may "
+        r"wait for the other ranks, in seconds\), got 0$",
+    ),
+    (
+        # gloo's "rank < size. 2 vs 2" (an enforce failure), once the store was made.
+        "a bad `timeout`, `rank` or `world_size` for `fdp.distributed.initialize`",
+        lambda: (),
+        lambda a: fdp.distributed.initialize(backend="gloo", rank=2, world_size=2, store=dist.HashStore()),
+        ValueError,
+        r"^fdp.distributed.initialize: rank must be an int from 0 to 1 \(world_size is 2\), got 2$",
+    ),
 ]
+
 
 # Entries of the catalogue that need what this file does not set up, and where they are tested.
 TESTED_APART = {
