@@ -1540,6 +1540,49 @@ class _SendRows(torch.autograd.Function):
         )
 
 
+def check_same(values: Sequence[tuple[str, torch.Tensor]], caller: str) -> None:
+    """That every process holds the same tensors as ``values`` (key path, tensor: a pmapped
+    call's outputs with out_axes None, under ``check_unmapped_outputs``), compared by digest in
+    one all_gather: a ``ValueError`` naming the first that differs, on every rank alike."""
+    digests = b"".join(_digest(value) for _, value in values)
+    if not digests:
+        return
+    mine = torch.frombuffer(bytearray(digests), dtype=torch.uint8)
+    rows = _gather(mine, f"{caller} (check_unmapped_outputs)")
+    for k, (path, value) in enumerate(values):
+        groups: dict[bytes, list[int]] = {}
+        for r, row in enumerate(rows):
+            groups.setdefault(row[16 * k : 16 * (k + 1)].numpy().tobytes(), []).append(r)
+        if len(groups) > 1:
+            first, second = list(groups.values())[:2]
+            raise ValueError(
+                f"{caller}: out_axes is None for {path}, but the processes' replicas disagree: "
+                f"those of {_ranks(first)} returned one value, those of {_ranks(second)} another "
+                f"({_tree.describe(value)} on rank {rank()}; check_unmapped_outputs compares the "
+                "replicas of every process, as one process running them all would)"
+            )
+
+
+def _digest(tensor: torch.Tensor) -> bytes:
+    """16 bytes that tell apart tensors of different dtypes, shapes or values (NaNs equal, and
+    -0.0 and 0.0, as ``check_unmapped_outputs`` compares them in one process)."""
+    t = tensor.detach()
+    if t.is_nested or t.is_quantized:
+        t = torch.tensor([])  # (not compared: a digest of nothing, alike on every rank)
+    elif t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.cpu().contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # (float8: no arithmetic)
+            t = torch.where(t.isnan(), torch.full_like(t, math.nan), t + 0)  # one NaN, +0.0
+    spelled = f"{tensor.dtype}{list(tensor.shape)}".encode()
+    return hashlib.blake2b(
+        spelled + t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16
+    ).digest()
+
+
 # The Python numbers that broadcast sends, as tensors of these dtypes.
 _NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 

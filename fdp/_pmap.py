@@ -310,7 +310,7 @@ class Pmapped(Generic[P, R]):
                 outputs, run_on = self._scatter_and_run(
                     leaves, treespec, plan, devices, parts, roots, statics
                 )
-            return _gather.gather_outputs(
+            result = _gather.gather_outputs(
                 outputs,
                 output_device,
                 self.out_axes,
@@ -323,10 +323,29 @@ class Pmapped(Generic[P, R]):
                 rename=self.rename_paths,
                 user_output=self.user_output,
             )
+            if self.check_unmapped_outputs and began >= 0 and _distributed.calls() != began:
+                # The other processes' replicas too, as one process running them all would.
+                self._check_unmapped_across_processes(outputs[0])
+            return result
         except BaseException as error:
             if began >= 0:
                 _distributed.call_failed(error, began)
             raise
+
+    def _check_unmapped_across_processes(self, output: Any) -> None:
+        """Under fdp.distributed, with ``check_unmapped_outputs``: that every process's replicas
+        returned what this one's did where ``out_axes`` is ``None`` (this process's replicas
+        agree: gather_outputs checked them), a ``ValueError`` on every rank otherwise."""
+        paths, values, _ = _tree.flatten_with_paths(output, "output")
+        axes = _axes.leaf_axes(
+            self.out_axes, output, what="out_axes", tree_name="the output", caller=self._caller
+        )
+        unmapped = [
+            (self.rename_paths(path) if self.rename_paths is not None else path, value)
+            for path, value, axis in zip(paths, values, axes)
+            if axis is _axes.BROADCAST and isinstance(value, torch.Tensor)
+        ]
+        _distributed.check_same(unmapped, self._caller)
 
     def _failed_before_running(self, error: BaseException) -> None:
         """A call that failed before its exchange of replica counts (bad arguments, devices this
@@ -890,7 +909,9 @@ def pmap(
             devices: 4,4,4,4,4,4,4,2; 10 over 8: five replicas of 2); ``"balanced"`` gives
             sizes that differ by at most one and never an empty shard. Default: ``"chunk"``.
         check_unmapped_outputs: check that outputs with ``out_axes`` ``None`` are equal on every
-            replica, and raise ``ValueError`` if not. Default: ``False``.
+            replica, and raise ``ValueError`` if not; under :mod:`fdp.distributed`, on every
+            replica of every process (one more small exchange per call, of a digest of each
+            such output). Default: ``False``.
         compile: compile what every replica runs with :func:`torch.compile`, once, shared by
             the replicas: ``True``, or a dict of ``torch.compile`` options (``backend``,
             ``mode``, ``dynamic``, ...). The first call compiles; collectives are graph breaks

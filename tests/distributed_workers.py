@@ -7,6 +7,7 @@ import copy
 import faulthandler
 import gc
 import json
+import math
 import os
 import time
 import traceback
@@ -484,6 +485,31 @@ def threads_at_once(rank: int, world: int, folder: str) -> None:
         thread = threading.Thread(target=afterwards)
         thread.start()
         thread.join()
+        report(folder, rank, result)
+    finally:
+        fdp.distributed.shutdown()
+
+
+def checked_unmapped_outputs(rank: int, world: int, folder: str) -> None:
+    """check_unmapped_outputs=True where the processes' replicas return different values with
+    out_axes None (processes that started from different parameters, say): one replica per
+    process, and two."""
+    start(rank, world, folder, timeout=20.0)
+    result: dict = {}
+    try:
+        for devices in (["cpu"], ["cpu", "cpu"]):
+            f = fdp.pmap(
+                lambda x, w: {"loss": fdp.pmean(x.sum(), "i"), "w": w * 1},
+                axis_name="i",
+                in_axes=(0, None),
+                out_axes={"loss": None, "w": None},
+                devices=devices,
+                check_unmapped_outputs=True,
+            )
+            # Equal as one process compares them: NaNs alike, -0.0 and 0.0.
+            same = f(torch.ones(4), torch.tensor([1.0, (0.0, -0.0)[rank], math.nan]))["loss"].tolist()
+            differ = timed_outcome(lambda f=f: f(torch.ones(4), torch.tensor([1.0, 2.0, float(rank)])))
+            result[str(len(devices))] = {"same": same, "differ": differ}
         report(folder, rank, result)
     finally:
         fdp.distributed.shutdown()

@@ -419,6 +419,23 @@ def test_a_pmapped_call_from_another_thread_while_one_spans_the_processes_is_ref
         ), r
 
 
+def test_check_unmapped_outputs_compares_the_replicas_of_every_process(tmp_path: Path) -> None:
+    # Only this process's replicas were compared: with one replica per process, nothing, and
+    # processes whose replicas returned different values (each training a model of its own)
+    # passed the check.
+    results, codes = spawn(distributed_workers.checked_unmapped_outputs, tmp_path)
+    assert codes == [0, 0], results
+    for r in results:
+        for replicas in ("1", "2"):
+            assert r[replicas]["same"] == 4.0 / int(replicas), r
+            differ = r[replicas]["differ"]
+            assert differ["error"] == "ValueError", r
+            assert (
+                "out_axes is None for output['w'], but the processes' replicas disagree: those of "
+                "rank 0 returned one value, those of rank 1 another (float32[3] on rank " in differ["message"]
+            ), r
+
+
 def test_a_failure_of_an_earlier_torchrun_attempt_does_not_fail_the_next(tmp_path: Path) -> None:
     results, codes = spawn(distributed_workers.restarted_attempts, tmp_path)
     assert codes == [0, 0], results
