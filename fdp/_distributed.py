@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -332,6 +333,36 @@ def _live_state() -> _State:
             "fdp.distributed.initialize() again to join a new group."
         )
     return state
+
+
+# Whether warn_if_group_unjoined has warned (once per process), or found that it never will.
+WARNED_UNJOINED = False
+_DIST_AVAILABLE = dist.is_available()  # (a torch built without it has no process groups)
+
+
+def warn_if_group_unjoined(caller: str, axis_name: Any) -> None:
+    """Warns, once, where a pmapped call with an axis name runs in a process of a
+    ``torch.distributed`` group of several processes that never called :func:`initialize`: a
+    script from DDP that keeps its ``init_process_group`` and ``DistributedSampler``, and
+    forgets ``initialize``, trains a model of its own in each process, on its own examples,
+    with no error."""
+    global WARNED_UNJOINED
+    if _SESSIONS[0] or _INHERITED_GROUP is not None:
+        # fdp.distributed was used here (calls after shutdown() span this process alone, as
+        # documented), or this is a forked child of a rank: nothing to warn about, ever.
+        WARNED_UNJOINED = True
+        return
+    if not (_DIST_AVAILABLE and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    WARNED_UNJOINED = True
+    warnings.warn(
+        f"{caller}: a torch.distributed process group of {dist.get_world_size()} processes "
+        f"exists, but fdp.distributed.initialize() was not called in this process, so the axis "
+        f"{axis_name!r} spans this process's replicas only: each process trains a model of its "
+        "own, its collectives combining its own replicas. Call fdp.distributed.initialize() "
+        "(after init_process_group, it joins that group) for the axis to span every process.",
+        stacklevel=2,
+    )
 
 
 def joined() -> bool:

@@ -792,10 +792,13 @@ def _call_group(
     """The replicas' shared state; with an axis name under fdp.distributed, placed among every
     process's replicas (``caller``: the pmapped function, which every process must be calling)."""
     group = _replica.CallGroup(n, devices)
-    if axis_name is not None and _distributed.joined():
-        # The axis spans every process: one exchange of replica counts places this one's.
-        group.offset, group.global_size, group.counts = _distributed.global_layout(n, caller, group)
-        group.distributed = True
+    if axis_name is not None:
+        if _distributed.joined():
+            # The axis spans every process: one exchange of replica counts places this one's.
+            group.offset, group.global_size, group.counts = _distributed.global_layout(n, caller, group)
+            group.distributed = True
+        elif not _distributed.WARNED_UNJOINED:
+            _distributed.warn_if_group_unjoined(caller, axis_name)
     return group
 
 

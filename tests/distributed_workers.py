@@ -758,10 +758,16 @@ def existing_group(rank: int, world: int, folder: str) -> None:
     port = (Path(folder) / "port").read_text()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo")
+    psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
     try:
+        # Before initialize: this process's replicas alone, with a warning, once.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alone = [psum(torch.ones(1) * (rank + 1)).tolist() for _ in range(2)]
         fdp.distributed.initialize(timeout=20.0)
-        out = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])(torch.ones(1) * (rank + 1))
+        out = psum(torch.ones(1) * (rank + 1))
         result = {"psum": out.tolist(), "rank": fdp.distributed.rank(), "world": fdp.distributed.world_size()}
+        result["before"] = {"psum": alone, "warnings": [str(w.message) for w in caught]}
     except Exception as error:  # noqa: BLE001
         result = {"error": type(error).__name__, "message": str(error)}
     report(folder, rank, result)

@@ -678,6 +678,17 @@ def test_initialize_joins_a_process_group_made_beforehand(tmp_path: Path) -> Non
     (tmp_path / "port").write_text(str(free_port()))
     results, codes = spawn(distributed_workers.existing_group, tmp_path)
     assert codes == [0, 0], results
+    # Before initialize, a call's axis spans its own process: a script from DDP that forgets
+    # initialize trained a model per process, silently. It is warned, once.
+    for r, result in enumerate(results):
+        before = result.pop("before")
+        assert before["psum"] == [[r + 1.0]] * 2, before
+        assert len(before["warnings"]) == 1, before
+        assert before["warnings"][0].startswith(
+            "fdp.pmap(existing_group.<locals>.<lambda>): a torch.distributed process group of 2 "
+            "processes exists, but fdp.distributed.initialize() was not called in this process, so "
+            "the axis 'i' spans this process's replicas only"
+        ), before
     assert results == [{"psum": [3.0], "rank": r, "world": 2} for r in range(2)], results
 
 
