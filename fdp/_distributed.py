@@ -923,6 +923,7 @@ def _wait(state: _State, work: Any, what: str, device: torch.device) -> None:
         work.wait()
         return
     deadline = time.monotonic() + state.timeout.total_seconds()
+    grace = True
     while True:
         try:
             work.wait(_POLL)
@@ -942,6 +943,12 @@ def _wait(state: _State, work: Any, what: str, device: torch.device) -> None:
             if failed is not None:
                 if _succeeded(work):  # it finished just now, before the other rank failed
                     return
+                if grace and failed.kind == "failure" and failed.call > state.calls:
+                    # A failure of a later call: that rank has left this one, perhaps done with
+                    # this collective, whose work here completes a moment after its own (an
+                    # empty share fails the next call before any exchange). One more slice.
+                    grace = False
+                    continue
                 _raise_rank_failed(state, what, failed, error)
             if time.monotonic() > deadline:
                 raise RankFailed(_timed_out(state, what)) from error

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import enum
 import json
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -900,6 +902,51 @@ def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.Monk
     finally:
         fdp.distributed.shutdown()
     assert not dist.is_initialized()
+
+
+def test_a_wait_that_finds_a_later_calls_failure_gives_its_work_one_more_slice() -> None:
+    # Rank 1 finished the collective that rank 0 waits in, and failed in its next call (an
+    # empty share, recorded before any exchange) before rank 0's slice of waiting saw the work
+    # complete: rank 0 raised RankFailed in a call that every rank had finished. (A flake of
+    # test_a_call_that_fails_before_its_exchange_of_replica_counts_tells_the_others on a busy
+    # machine.)
+    store = dist.HashStore()
+    state = _distributed._State(
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        backend="gloo",
+        store=store,
+        timeout=datetime.timedelta(seconds=30),
+        communicator=types.SimpleNamespace(exiting=False),  # type: ignore[arg-type]
+        owns_group=False,
+        group=None,
+        attempt=0,
+        calls=2,
+    )
+    store.set(_distributed._failure_key(state, 1), "3\nValueError: got an empty batch")
+
+    class Work:
+        """Completes in the second slice of waiting."""
+
+        waits = 0
+
+        def wait(self, timeout: object = None) -> bool:
+            self.waits += 1
+            if self.waits < 2:
+                raise RuntimeError("Timed out waiting for the work")
+            return True
+
+        def is_completed(self) -> bool:
+            return self.waits >= 2
+
+    work = Work()
+    _distributed._wait(state, work, "fdp.psum (an all_reduce (sum))", torch.device("cpu"))
+    assert work.waits == 2
+    # A record of this call itself is news at once, as before.
+    store.set(_distributed._failure_key(state, 1), "2\nValueError: broke")
+    with pytest.raises(_distributed.RankFailed, match=r"rank 1 failed during fdp.psum .*broke"):
+        _distributed._wait(state, Work(), "fdp.psum (an all_reduce (sum))", torch.device("cpu"))
 
 
 def test_shard_batch_checks_its_arguments_in_one_process_too() -> None:
