@@ -1609,7 +1609,8 @@ def _digest(tensor: torch.Tensor) -> bytes:
         t = torch.tensor([])  # (not compared: a digest of nothing, alike on every rank)
     elif t.layout != torch.strided:
         t = t.to_dense()
-    t = t.cpu().contiguous()
+    # (A conjugate or negative view holds its values lazily: view_as_real and numpy refuse it.)
+    t = t.cpu().resolve_conj().resolve_neg().contiguous()
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.is_floating_point():

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import enum
 import json
+import math
 import re
 import subprocess
 import sys
@@ -902,6 +903,19 @@ def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.Monk
     finally:
         fdp.distributed.shutdown()
     assert not dist.is_initialized()
+
+
+def test_check_unmapped_outputs_digests_tensors_of_every_view_kind() -> None:
+    # A conjugated complex output (x.conj(), a lazy view) failed the digest that
+    # check_unmapped_outputs exchanges under fdp.distributed, with view_as_real's RuntimeError,
+    # on every rank: the check in one process compares it as the values it holds.
+    x = torch.tensor([1 + 2j, 3 - 1j])
+    assert _distributed._digest(x.conj()) == _distributed._digest(x.conj().resolve_conj())
+    assert _distributed._digest(x.conj()) != _distributed._digest(x)
+    assert _distributed._digest(x.conj().imag) == _distributed._digest(-x.imag)  # (a negative view)
+    assert _distributed._digest(torch.tensor([-0.0, math.nan])) == _distributed._digest(
+        torch.tensor([0.0, -math.nan])
+    )
 
 
 def test_a_wait_that_finds_a_later_calls_failure_gives_its_work_one_more_slice() -> None:
