@@ -361,7 +361,7 @@ def warn_if_group_unjoined(caller: str, axis_name: Any) -> None:
         f"{axis_name!r} spans this process's replicas only: each process trains a model of its "
         "own, its collectives combining its own replicas. Call fdp.distributed.initialize() "
         "(after init_process_group, it joins that group) for the axis to span every process.",
-        stacklevel=2,
+        stacklevel=_tree.stacklevel_outside_fdp(),  # (the user's call, not fdp's line)
     )
 
 

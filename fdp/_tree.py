@@ -121,14 +121,14 @@ def _count_redefinition(cls: type) -> None:
             "with every call and fdp's caches start over. Define the dataclass once, at module "
             "level.",
             RuntimeWarning,
-            stacklevel=_stacklevel_outside_fdp(),
+            stacklevel=stacklevel_outside_fdp(),
         )
 
 
 _PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _stacklevel_outside_fdp() -> int:
+def stacklevel_outside_fdp() -> int:
     """The ``stacklevel`` that makes a warning issued by this function's caller name the first
     frame outside fdp: the user's line that led to it, not fdp's own. (Python 3.12's
     ``skip_file_prefixes`` does this; fdp supports 3.11.) 2, the caller's caller, when every

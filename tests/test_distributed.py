@@ -905,6 +905,21 @@ def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.Monk
     assert not dist.is_initialized()
 
 
+def test_the_warning_for_a_group_never_joined_names_the_users_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It named fdp's own line in _pool.py, which warnings filters and the user's search for the
+    # call it is about cannot use (fdp's other warnings name the user's line).
+    monkeypatch.setattr(_distributed, "WARNED_UNJOINED", False)
+    monkeypatch.setattr(_distributed, "_SESSIONS", [0])
+    monkeypatch.setattr(_distributed, "_DIST_AVAILABLE", True)
+    monkeypatch.setattr(_distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(_distributed.dist, "get_world_size", lambda group=None: 2)
+    psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
+    with pytest.warns(UserWarning, match="fdp.distributed.initialize\\(\\) was not called") as caught:
+        psum(torch.ones(1))
+    assert [w.filename for w in caught] == [__file__], [(w.filename, w.lineno) for w in caught]
+    psum(torch.ones(1))  # (once)
+
+
 def test_check_unmapped_outputs_digests_tensors_of_every_view_kind() -> None:
     # A conjugated complex output (x.conj(), a lazy view) failed the digest that
     # check_unmapped_outputs exchanges under fdp.distributed, with view_as_real's RuntimeError,
