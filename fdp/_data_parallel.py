@@ -28,6 +28,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import (
     _compile,
@@ -450,6 +451,17 @@ def _parameters_and_buffers(
     seen_params: set[torch.Tensor] = set()
     seen_buffers: set[torch.Tensor] = set()
     for prefix, submodule in module.named_modules():
+        # (torch types the method's self as its _LazyProtocol, which mypy finds no mixin is.)
+        if isinstance(submodule, LazyModuleMixin) and submodule.has_uninitialized_params():  # type: ignore[misc]
+            # Its first forward sets its parameters up, in place: replicas sharing them would
+            # each do it at once (a random weight over another, or torch's own AttributeError).
+            where = f"module.{prefix}" if prefix else "the module"
+            raise RuntimeError(
+                f"fdp.DataParallel: {where} ({type(submodule).__name__}) is a lazy module whose "
+                "parameters are not set up yet: its first forward sets them up, which the replicas "
+                "cannot share. Run that one on one device (module(x[:1])) before the "
+                "data-parallel calls, as torch's docs ask of nn.DataParallel."
+            )
         state = submodule.__dict__
         # The attribute, not state["training"]: a scripted module keeps its mode in C++.
         training = training or submodule.training

@@ -1241,6 +1241,16 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"forward changes them \(an nn.Embedding with max_norm\) on one device\.$",
     ),
     (
+        "DataParallel on several devices of a lazy module not set up yet",
+        lambda: (torch.ones(4, 5),),
+        lambda a: fdp.DataParallel(nn.Sequential(nn.LazyLinear(3)), device_ids=cpus(2))(*a),
+        RuntimeError,
+        r"^fdp.DataParallel: module\.0 \(LazyLinear\) is a lazy module whose parameters are not set "
+        r"up yet: its first forward sets them up, which the replicas cannot share\. Run that one on "
+        r"one device \(module\(x\[:1\]\)\) before the data-parallel calls, as torch's docs ask of "
+        r"nn.DataParallel\.$",
+    ),
+    (
         "a meta tensor among the inputs, or a module's parameters on the meta device",
         lambda: (torch.ones(4, 3), torch.empty(4, 3, device="meta")),
         lambda a: pm(lambda x, y: x + y)(*a),

@@ -1245,11 +1245,30 @@ def test_a_parameter_changed_in_place_by_forward_is_refused_where_replicas_share
     x = torch.arange(rows)
     model = fdp.DataParallel(emb, device_ids=cpus(2))
     if rows > 1:
-        with pytest.raises(RuntimeError, match=r"modified params\['weight'\] in place.*on one device\.$"):
+        with pytest.raises(
+            RuntimeError, match=r"modified params\['weight'\] in place.*with max_norm\) on one device\."
+        ):
             model(x)
         return
     torch.testing.assert_close(model(x), expected(x))
     torch.testing.assert_close(emb.weight, expected.weight)
+
+
+def test_a_lazy_module_is_refused_until_one_forward_set_it_up() -> None:
+    """nn.LazyLinear sets its weight up in its first forward: replicas sharing it each did,
+    at once (one's random weight over the other's, or torch's AttributeError from the second).
+    Refused before any runs, saying what to do; once one forward on one device has set it up,
+    it runs as the module does."""
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    model = fdp.DataParallel(lazy, device_ids=cpus(2))
+    with pytest.raises(RuntimeError, match=r"module\.0 \(LazyLinear\) is a lazy module.*module\(x\[:1\]\)"):
+        model(torch.randn(4, 5))
+    assert lazy[0].has_uninitialized_params()  # (nothing ran)
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    x = torch.randn(4, 5)
+    lazy(x[:1])
+    torch.testing.assert_close(fdp.DataParallel(lazy, device_ids=cpus(2))(x), lazy(x))
 
 
 def test_a_module_made_under_inference_mode_runs_on_several_cpu_replicas() -> None:
