@@ -161,7 +161,7 @@ def _transform(
         # is_compiling first: dynamo then traces torch.func.grad (on fdp's leaves), and none of
         # the tests below.
         if torch.compiler.is_compiling():
-            grads, value = _by_func(fn, argnums, has_aux, args, kwargs, name, where, flat)
+            trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
         elif (
             torch._C._functorch.peek_interpreter_stack() is not None
             or differentiating()
@@ -170,9 +170,10 @@ def _transform(
             # Out of inference mode: there torch 2.11's torch.func.grad records nothing either,
             # and its gradients come back as zeros (2.13's are taken).
             with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING:
-                grads, value = _by_func(fn, argnums, has_aux, args, kwargs, name, where, flat)
+                trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
         else:
-            grads, value = _by_autograd(fn, argnums, has_aux, args, kwargs, name, where, flat)
+            trees, value = _by_autograd(fn, has_aux, args, kwargs, name, where, flat)
+        grads = trees if isinstance(argnums, tuple) else trees[0]
         return (value, grads) if with_value else ((grads, value[1]) if has_aux else grads)
 
     return transformed
@@ -223,7 +224,6 @@ def _positions(argnums: Any, name: str) -> tuple[int, ...]:
 
 def _by_autograd(
     fn: Callable[..., Any],
-    argnums: int | tuple[int, ...],
     has_aux: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -231,8 +231,9 @@ def _by_autograd(
     positions: tuple[int, ...],
     flat: list[tuple[list[torch.Tensor], Any]],
 ) -> tuple[Any, Any]:
-    """``(grads, value)`` as ``torch.func.grad_and_value`` returns them, by autograd, of the
-    arguments at ``positions``, flattened in ``flat`` (see :func:`_differentiated`)."""
+    """``(grads, value)`` by autograd: a gradient tree for each argument at ``positions``,
+    flattened in ``flat`` (see :func:`_differentiated`), and the value (with ``aux``) as
+    ``torch.func.grad_and_value`` returns it."""
     given = list(args)
     trees = []  # each differentiated argument's structure and the detached copies of its leaves
     for k, (leaves, spec) in zip(positions, flat):
@@ -255,9 +256,8 @@ def _by_autograd(
     for spec, copies in trees:
         grads.append(_tree.unflatten(spec, list(computed[start : start + len(copies)])))
         start += len(copies)
-    result = tuple(grads) if isinstance(argnums, tuple) else grads[0]
     value = value.detach()
-    return result, ((value, _detached(aux)) if has_aux else value)
+    return tuple(grads), ((value, _detached(aux)) if has_aux else value)
 
 
 def _differentiated(
@@ -321,7 +321,6 @@ def _value_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:
 
 def _by_func(
     fn: Callable[..., Any],
-    argnums: int | tuple[int, ...],
     has_aux: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -329,7 +328,8 @@ def _by_func(
     positions: tuple[int, ...],
     flat: list[tuple[list[torch.Tensor], Any]],
 ) -> tuple[Any, Any]:
-    """``(grads, value)`` by ``torch.func.grad_and_value``, on trees as fdp flattens them.
+    """``(grads, value)`` by ``torch.func.grad_and_value``, on trees as fdp flattens them (as
+    :func:`_by_autograd` returns them).
 
     torch.func flattens with torch's pytrees, where a plain dataclass or ``None`` is a leaf it
     refuses ("must be Tensor"), and takes only tensors in ``aux``: given the leaves of fdp's
@@ -362,7 +362,7 @@ def _by_func(
             value,
             _tree.unflatten(spec, [next(returned) if t else leaf for leaf, t in zip(leaves, tensor)]),
         )
-    return (trees if isinstance(argnums, tuple) else trees[0]), value
+    return trees, value
 
 
 def _detached(tree: Any) -> Any:
