@@ -248,8 +248,10 @@ class DataParallel(nn.Module, Generic[_M]):
         # (nn.Embedding(max_norm=...) renormalizes its rows) has the replicas race on it.
         versions = _versions(params.values()) if self._shared_as_is and len(self._devices) > 1 else None
         outputs, state = self._mapped(self.module, self.dim, training, placed, buffers, inputs, kwargs)
-        if versions is not None and first is not None and _versions(params.values()) != versions:
-            self._refuse_changed_parameter(params, versions, first)
+        if versions is not None and first is not None:
+            after = _versions(params.values())
+            if after != versions:
+                self._refuse_changed_parameter(params, versions, after, first)
         if state is not None:
             updated, rows = state
             replicas = [{name: updated[name][r] for name in updated} for r in range(len(rows))]
@@ -257,15 +259,15 @@ class DataParallel(nn.Module, Generic[_M]):
         return outputs
 
     def _refuse_changed_parameter(
-        self, params: dict[str, torch.Tensor], versions: list[int], first: torch.Tensor
+        self, params: dict[str, torch.Tensor], versions: list[int], after: list[int], first: torch.Tensor
     ) -> None:
         """Raises for a parameter that the replicas, sharing it, changed in place (where more
         than one ran: a lone replica's change is the module's own, as on one device)."""
         n = len(_split.shard_sizes(first.shape[self.dim], len(self._devices), self._mapped.split))
         if n < 2:
             return
-        for (name, p), version in zip(params.items(), versions):
-            if _pmap._version(p) == version:
+        for name, version, now in zip(params, versions, after):
+            if now == version:
                 continue
             devices = ", ".join(str(d) for d in self._devices[:n])
             raise RuntimeError(
