@@ -852,15 +852,24 @@ def _records(state: _State) -> list[_Record]:
         if other == state.rank:
             continue
         try:
-            failure, left = _failure_key(state, other), _left_key(state, other)
-            if state.store.check([failure]):
-                call, _, message = state.store.get(failure).decode().partition("\n")
-                found.append(_Record(other, "failure", int(call), message))
+            left = _left_key(state, other)
+            if (failure := _stored_failure(state, other)) is not None:
+                found.append(_Record(other, "failure", *failure))
             if state.store.check([left]):
                 found.append(_Record(other, "left", int(state.store.get(left).decode()), ""))
         except Exception:  # noqa: BLE001 - a store that is gone tells nothing
             return found
     return found
+
+
+def _stored_failure(state: _State, rank: int) -> tuple[int, str] | None:
+    """The failure that ``rank`` recorded (see :func:`_record`), as its call and message, if
+    any; raises if the store is gone."""
+    key = _failure_key(state, rank)
+    if not state.store.check([key]):
+        return None
+    call, _, message = state.store.get(key).decode().partition("\n")
+    return int(call), message
 
 
 def _failed_rank(state: _State) -> _Record | None:
@@ -1790,13 +1799,10 @@ def _failed_on_some_ranks(state: _State, failed: list[int], call: int, caller: s
 def _recorded_failure(state: _State, rank: int, call: int) -> str | None:
     """The failure that ``rank`` (this one too) recorded for pmapped call ``call``, if any."""
     try:
-        key = _failure_key(state, rank)
-        if not state.store.check([key]):
-            return None
-        recorded, _, message = state.store.get(key).decode().partition("\n")
+        failure = _stored_failure(state, rank)
     except Exception:  # noqa: BLE001 - a store that is gone tells nothing
         return None
-    return message if recorded == str(call) else None
+    return failure[1] if failure is not None and failure[0] == call else None
 
 
 # --- data ------------------------------------------------------------------------------------------
