@@ -174,12 +174,7 @@ def _opaque_holder_note(leaves: Sequence[Any], axes: Sequence[Any], paths: Calla
     for k, (leaf, axis) in enumerate(zip(leaves, axes)):
         if axis is _axes.BROADCAST or isinstance(leaf, (torch.Tensor, torch.nn.Module)):
             continue  # (a module's tensors are its parameters: every replica needs them whole)
-        attributes = getattr(leaf, "__dict__", None)
-        names = (
-            [n for n, v in attributes.items() if isinstance(v, torch.Tensor)]
-            if isinstance(attributes, dict)
-            else []
-        )
+        names = _tree.tensor_attributes(leaf)
         if names:
             name = type(leaf).__qualname__
             return (

@@ -519,10 +519,7 @@ def _object_with_tensors_reason(leaf: Any, caller: str) -> str | None:
     as values they never agree (objects compare by identity), and the error spoke of "different
     non-tensor values", printing two identical reprs; where a custom ``==`` held, one replica's
     tensors would stand for the whole batch. Only the object's own attributes are looked at."""
-    attributes = getattr(leaf, "__dict__", None)
-    if not isinstance(attributes, dict):  # no __dict__ (slots, builtins): nothing fdp can name
-        return None
-    names = [k for k, v in attributes.items() if isinstance(v, torch.Tensor)]
+    names = tensor_attributes(leaf)
     if not names:
         return None
     public = [k for k in names if not k.startswith("_")] or names  # Categorical's _param: logits
@@ -534,6 +531,16 @@ def _object_with_tensors_reason(leaf: Any, caller: str) -> str | None:
         f"tensors (e.g. {public[0]}) and build the {name} from them after the call{keep}, or "
         f"register {name} with optree.register_pytree_node(..., namespace={NAMESPACE!r})"
     )
+
+
+def tensor_attributes(obj: Any) -> list[str]:
+    """The names of ``obj``'s own attributes that hold tensors (none for an object without a
+    ``__dict__``, slots or builtins: nothing fdp can name), for messages about an object that
+    fdp does not flatten."""
+    attributes = getattr(obj, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return []
+    return [k for k, v in attributes.items() if isinstance(v, torch.Tensor)]
 
 
 # Containers that optree always flattens. One found as a leaf means that optree's registry is
