@@ -279,8 +279,9 @@ class SgdState(NamedTuple):
 
 
 class AdamState(NamedTuple):
-    """The state of :func:`adam` and :func:`adamw`: the steps taken, and the first and second
-    moment estimates (trees like the parameters), as ``torch.optim.Adam`` keeps them.
+    """The state of :func:`adam` and :func:`adamw`: the steps taken, the first and second
+    moment estimates (trees like the parameters), and with ``amsgrad`` the largest second
+    moments yet (``None`` without it), as ``torch.optim.Adam`` keeps them.
 
     Examples:
         >>> import torch
@@ -292,6 +293,8 @@ class AdamState(NamedTuple):
     step: int
     exp_avg: Tree
     exp_avg_sq: Tree
+    # (Last, with a default: a state saved before it existed loads, with the default.)
+    max_exp_avg_sq: Tree = None
 
 
 class MultiTransformState(NamedTuple):
@@ -653,6 +656,7 @@ def sgd(
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    maximize: bool = False,
 ) -> GradientTransformation[SgdState]:
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
@@ -665,6 +669,8 @@ def sgd(
             Default: ``0.0``.
         nesterov: Nesterov momentum. Default: ``False``.
         weight_decay: L2 penalty added to the gradient, non-negative. Default: ``0.0``.
+        maximize: step up the gradient, to maximize the objective (the gradient is negated
+            before anything else, as in torch). Default: ``False``.
 
     Examples:
         >>> import torch
@@ -678,6 +684,7 @@ def sgd(
     """
     learning_rate = _learning_rate(lr, "sgd")
     _check_non_negative("sgd", {"momentum": momentum, "weight_decay": weight_decay})
+    _tree.check_flag(maximize, "fdp.optim.sgd: maximize")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
 
@@ -694,6 +701,8 @@ def sgd(
     ) -> tuple[Leaves, SgdState]:
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
             return [], SgdState(state.step + 1, _tree.unflatten(spec, []) if momentum else None)
+        if maximize:
+            g = torch._foreach_neg(g)
         if weight_decay:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         buffers: Leaves = None
@@ -750,12 +759,16 @@ def _adam(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
     *,
     decoupled: bool,
     name: str,
 ) -> GradientTransformation[AdamState]:
     learning_rate = _learning_rate(lr, name)
     _check_non_negative(name, {"eps": eps, "weight_decay": weight_decay})
+    _tree.check_flag(amsgrad, f"fdp.optim.{name}: amsgrad")
+    _tree.check_flag(maximize, f"fdp.optim.{name}: maximize")
     try:
         beta1, beta2 = betas
         in_range = 0 <= beta1 < 1 and 0 <= beta2 < 1
@@ -770,7 +783,8 @@ def _adam(
         raise ValueError(f"fdp.optim.{name}: betas must be in [0, 1), got {betas!r}")
 
     def init(params: Tree) -> AdamState:
-        return AdamState(0, _zeros_like(params, name), _zeros_like(params, name))
+        most = _zeros_like(params, name) if amsgrad else None
+        return AdamState(0, _zeros_like(params, name), _zeros_like(params, name), most)
 
     def step(
         g: Leaves,
@@ -782,25 +796,31 @@ def _adam(
     ) -> tuple[Leaves, AdamState]:
         number = state.step + 1
         if not g:  # no parameters (torch._foreach_* refuse empty lists): only the count advances
-            return [], AdamState(number, _tree.unflatten(spec, []), _tree.unflatten(spec, []))
+            empty = _tree.unflatten(spec, [])
+            return [], AdamState(number, empty, empty, empty if amsgrad else None)
+        if maximize:
+            g = torch._foreach_neg(g)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         # torch.optim.AdamW first scales the parameter by (1 - lr * weight_decay).
         start = torch._foreach_mul(p, 1 - lr * weight_decay) if weight_decay and decoupled else p
-        exp_avg, exp_avg_sq = state_leaves
+        exp_avg, exp_avg_sq = state_leaves[:2]
+        most = state_leaves[2] if amsgrad else []  # the largest second moments yet
         complex_params = any(t.dtype.is_complex for t in p)
         if complex_params:
             # torch.optim steps a complex parameter as the pairs of reals it holds (the
             # view_as_real of gradient, parameter and moments): each part gets its own second
             # moment, where complex g * g would mix them. The state stays complex, as torch's.
-            g, start, exp_avg, exp_avg_sq = map(_as_real, (g, start, exp_avg, exp_avg_sq))
+            g, start, exp_avg, exp_avg_sq, most = map(_as_real, (g, start, exp_avg, exp_avg_sq, most))
         exp_avg = torch._foreach_lerp(exp_avg, g, 1 - beta1)
         exp_avg_sq = torch._foreach_mul(exp_avg_sq, beta2)
         torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
         bias_correction1 = 1 - beta1**number
         bias_correction2 = 1 - beta2**number
         step_size = lr / bias_correction1
-        denom = torch._foreach_sqrt(exp_avg_sq)
+        if amsgrad:  # normalized by the largest second moment yet, as torch.optim's amsgrad
+            most = torch._foreach_maximum(most, exp_avg_sq)
+        denom = torch._foreach_sqrt(most if amsgrad else exp_avg_sq)
         torch._foreach_div_(denom, bias_correction2**0.5)
         torch._foreach_add_(denom, eps)
         if _compiled_tensor(step_size):
@@ -811,13 +831,20 @@ def _adam(
             new = torch._foreach_addcdiv(start, exp_avg, denom, value=-step_size)  # type: ignore[arg-type]
         if complex_params:
             new, exp_avg, exp_avg_sq = (_as_complex(leaves, p) for leaves in (new, exp_avg, exp_avg_sq))
-        return new, AdamState(number, _tree.unflatten(spec, exp_avg), _tree.unflatten(spec, exp_avg_sq))
+            most = _as_complex(most, p) if amsgrad else most
+        return new, AdamState(
+            number,
+            _tree.unflatten(spec, exp_avg),
+            _tree.unflatten(spec, exp_avg_sq),
+            _tree.unflatten(spec, most) if amsgrad else None,
+        )
 
     sparse_why = (
         f"fdp.optim.{name} steps dense gradients only, as torch.optim.{'AdamW' if decoupled else 'Adam'} "
         "does (torch.optim.SparseAdam steps sparse ones)"
     )
-    return _optimizer(init, step, name, AdamState, ("exp_avg", "exp_avg_sq"), learning_rate, sparse_why)
+    buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    return _optimizer(init, step, name, AdamState, buffers, learning_rate, sparse_why)
 
 
 def adam(
@@ -826,6 +853,8 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
 ) -> GradientTransformation[AdamState]:
     """Adam, as ``torch.optim.Adam`` (``weight_decay`` is an L2 penalty on the gradient).
 
@@ -836,6 +865,9 @@ def adam(
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator, non-negative. Default: ``1e-8``.
         weight_decay: L2 penalty, non-negative. Default: ``0.0``.
+        amsgrad: normalize by the largest second moment estimate seen so far (the AMSGrad
+            variant), kept in the state's ``max_exp_avg_sq``. Default: ``False``.
+        maximize: step up the gradient, to maximize the objective. Default: ``False``.
 
     Examples:
         >>> import torch
@@ -846,7 +878,7 @@ def adam(
         >>> optim.apply_updates(params, updates)
         {'w': tensor([-0.1000,  0.1000])}
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=False, name="adam")
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False, name="adam")
 
 
 def adamw(
@@ -855,6 +887,8 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
 ) -> GradientTransformation[AdamState]:
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
@@ -865,6 +899,9 @@ def adamw(
         betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
         eps: added to the denominator, non-negative. Default: ``1e-8``.
         weight_decay: decoupled weight decay, non-negative. Default: ``1e-2``.
+        amsgrad: normalize by the largest second moment estimate seen so far (the AMSGrad
+            variant), kept in the state's ``max_exp_avg_sq``. Default: ``False``.
+        maximize: step up the gradient, to maximize the objective. Default: ``False``.
 
     Examples:
         >>> import torch
@@ -875,7 +912,7 @@ def adamw(
         >>> optim.apply_updates(params, updates)  # decay only: 1 - 0.1 * 0.5
         {'w': tensor([0.9500, 0.9500])}
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=True, name="adamw")
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True, name="adamw")
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation[EmptyState]:

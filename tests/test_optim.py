@@ -46,6 +46,22 @@ CONFIGS: dict[str, Config] = {
         lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
         lambda: optim.adamw(1e-2, weight_decay=0.1),
     ),
+    "sgd_maximize_momentum_weight_decay": (
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-2, maximize=True),
+        lambda: optim.sgd(0.05, momentum=0.9, weight_decay=1e-2, maximize=True),
+    ),
+    "adam_amsgrad_weight_decay": (
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-3, amsgrad=True),
+        lambda: optim.adam(1e-2, weight_decay=1e-3, amsgrad=True),
+    ),
+    "adam_maximize": (
+        lambda p: torch.optim.Adam(p, lr=1e-2, maximize=True),
+        lambda: optim.adam(1e-2, maximize=True),
+    ),
+    "adamw_amsgrad_maximize": (
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
+        lambda: optim.adamw(1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
+    ),
 }
 
 
@@ -282,6 +298,12 @@ def train_both(
     ``one_pass``, else ``update`` and ``apply_updates``) and torch.optim's on copies.
     Returns fdp's params and state, torch's params and optimizer."""
     make_torch, make_ours = CONFIGS[name]
+    if "maximize" in name:  # both maximize the loss negated: a problem that converges
+        minimized = loss
+
+        def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return -minimized(params)
+
     reference = {k: v.clone().requires_grad_() for k, v in initial.items()}
     torch_opt = make_torch(list(reference.values()))
     opt = make_ours()
@@ -331,6 +353,12 @@ HALF_CONFIGS: dict[
     "adamw": (
         lambda p, foreach: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=foreach),
         lambda: optim.adamw(1e-2, weight_decay=0.1),
+    ),
+    "adamw_amsgrad_maximize": (
+        lambda p, foreach: torch.optim.AdamW(
+            p, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True, foreach=foreach
+        ),
+        lambda: optim.adamw(1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
     ),
 }
 
@@ -604,6 +632,14 @@ def test_a_state_for_other_params_is_refused(
     with pytest.raises(ValueError, match=f"state whose {field} is"):  # in a chain too
         chained = optim.chain(optim.clip_by_global_norm(1.0), opt)
         (chained.apply_gradients if one_pass else chained.update)(params, ((), state), params)
+
+
+def test_adam_with_amsgrad_refuses_a_state_without_its_largest_moments() -> None:
+    params = {"w": torch.ones(2)}
+    state = optim.adam().init(params)  # max_exp_avg_sq None
+    opt = optim.adam(amsgrad=True)
+    with pytest.raises(ValueError, match="state whose max_exp_avg_sq is PyTreeSpec\\(None"):
+        opt.apply_gradients(params, state._replace(step=1), params)
 
 
 def test_sgd_with_momentum_refuses_a_state_without_momentum() -> None:
@@ -1022,6 +1058,22 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
             TypeError,
             r"^fdp\.optim\.adam: betas must be a pair of numbers in \[0, 1\), got tuple: \('0\.9', 0\.99\)$",
         ),
+        # Read as truth values, "no" would have turned them on.
+        (
+            lambda: optim.adam(amsgrad="no"),
+            TypeError,
+            r"^fdp\.optim\.adam: amsgrad must be True or False, got str: 'no'$",
+        ),
+        (
+            lambda: optim.sgd(0.1, maximize=1),
+            TypeError,
+            r"^fdp\.optim\.sgd: maximize must be True or False, got int: 1$",
+        ),
+        (
+            lambda: optim.adamw(maximize=None),
+            TypeError,
+            r"^fdp\.optim\.adamw: maximize must be True or False, got NoneType: None$",
+        ),
         (
             lambda: optim.clip_by_global_norm("1"),
             TypeError,
@@ -1191,7 +1243,7 @@ def test_chain_refuses_a_state_of_another_length() -> None:
 @pytest.mark.parametrize(
     ("make_state", "kind"),
     [
-        (lambda p: optim.adam().init(p), "AdamState"),  # a named tuple of 3 for a chain of 3
+        (lambda p: optim.adam().init(p), "AdamState"),  # a named tuple of 4 for a chain of 4
         (lambda p: None, "NoneType"),
         (lambda p: p, "dict"),
     ],
@@ -1202,10 +1254,12 @@ def test_chain_refuses_a_state_that_is_not_a_chains(
 ) -> None:
     # len() of None failed naming nothing; an AdamState was dealt out to the transforms field by field.
     params = {"w": torch.ones(2)}
-    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9), optim.sgd(0.1))
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9), optim.sgd(0.1), optim.sgd(0.2)
+    )
     with pytest.raises(
         ValueError,
-        match=rf"^fdp\.optim\.chain: expected a tuple of 3 states \(from the chain's init\), got {kind}$",
+        match=rf"^fdp\.optim\.chain: expected a tuple of 4 states \(from the chain's init\), got {kind}$",
     ):
         (opt.apply_gradients if one_pass else opt.update)(params, make_state(params), params)
 
@@ -1320,6 +1374,26 @@ def test_structure_check_runs_outside_the_graph_under_compile(monkeypatch: pytes
     new, state = opt.apply_gradients(params, opt.init(params), params)
     torch.testing.assert_close(new["b"], torch.full((3,), 0.9))
     torch.testing.assert_close(state.momentum["b"], torch.ones(3))
+
+
+def test_an_adam_state_saved_before_amsgrad_loads_and_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # AdamState had three fields before max_exp_avg_sq: a checkpoint of one holds three.
+    params = {"w": torch.tensor([1.0, -2.0])}
+    opt = optim.adam(0.1)
+    _, state = opt.apply_gradients({"w": torch.tensor([0.5, 0.5])}, opt.init(params), params)
+    buffer = io.BytesIO()
+    with monkeypatch.context() as patched:
+        patched.setattr(optim.AdamState, "__getnewargs__", lambda self: tuple(self)[:3])
+        torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded.step == state.step and loaded.max_exp_avg_sq is None
+    assert torch.equal(loaded.exp_avg["w"], state.exp_avg["w"])
+    assert torch.equal(loaded.exp_avg_sq["w"], state.exp_avg_sq["w"])
+    grads = {"w": torch.tensor([1.0, 1.0])}
+    assert torch.equal(
+        opt.apply_gradients(grads, loaded, params)[0]["w"], opt.apply_gradients(grads, state, params)[0]["w"]
+    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

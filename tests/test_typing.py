@@ -216,7 +216,7 @@ SNIPPET = textwrap.dedent(
     init, update = fdp.optim.sgd(0.1, momentum=0.9)
     # Generic in the state: another optimizer's state is caught before it runs.
     # (mypy reveals a named tuple as its fields, the class named as the fallback.)
-    reveal_type(fdp.optim.adam().init(params))  # reveals: tuple[int, Any, Any, fallback=AdamState]
+    reveal_type(fdp.optim.adam().init(params))  # reveals: tuple[int, Any, Any, Any, fallback=AdamState]
     reveal_type(clip.init(None))  # reveals: tuple[(), fallback=EmptyState]
     reveal_type(state)  # reveals: tuple[Any, ...]
     sgd = fdp.optim.sgd(0.1)
