@@ -613,6 +613,15 @@ def run_replicas(
             latch[0].wait()
             return
         try:
+            # The replicas that no worker has started never start now (the call is over), and
+            # no one else counts them down: nor those that the hand-over never queued, which an
+            # interrupt between two of its puts left unqueued, and which the wait below would
+            # otherwise wait for forever.
+            for i in range(1, n):
+                if i not in counted and claims[i].acquire(blocking=False):
+                    group.finish(i)
+                    latch[0].count_down()
+                    counted.add(i)
             latch[0].wait()
         except BaseException as again:
             give_up(again)

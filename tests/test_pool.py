@@ -563,6 +563,41 @@ def test_failed_hand_over_at_a_collective_fails_instead_of_hanging(monkeypatch: 
     assert retried == ["can't start new thread"]
 
 
+class _PutInterrupted:
+    """A worker's queue whose next put of a task raises KeyboardInterrupt instead: Ctrl-C
+    landing in the caller between two replicas' puts."""
+
+    def __init__(self, tasks) -> None:
+        self.tasks = tasks
+        self.armed = True
+
+    def put(self, task) -> None:
+        if self.armed and task is not None:
+            self.armed = False
+            raise KeyboardInterrupt("between two puts")
+        self.tasks.put(task)
+
+    def get(self):
+        return self.tasks.get()
+
+    def empty(self) -> bool:
+        return self.tasks.empty()
+
+
+def test_an_interrupt_between_the_hand_overs_puts_does_not_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small replicas are handed over at replica 0's first collective. An interrupt that landed
+    # after replica 1 was queued but before replica 2 was left the caller waiting, forever, for
+    # a replica that no worker would ever run (until a second Ctrl-C).
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)
+    mapped = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=cpus(3))
+    mapped(torch.ones(3))  # starts the workers, and times the replicas: small from now on
+    worker = _pool._WORKERS[(torch.device("cpu"), 1)]  # replica 2's
+    monkeypatch.setattr(worker, "tasks", _PutInterrupted(worker.tasks))
+    with pytest.raises(KeyboardInterrupt, match="between two puts"):
+        finishes(lambda: mapped(torch.ones(3)), 10)
+    torch.testing.assert_close(finishes(lambda: mapped(torch.ones(3))), torch.full((3,), 3.0))
+
+
 def test_wake_up_samples_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     # Time queued behind other calls is not a wake-up: each sample counts at most the cap.
     monkeypatch.setattr(_pool, "_wake_seconds", 0.0)
