@@ -11,6 +11,7 @@ own module; this one only wires them together.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Concatenate, Generic, Never, ParamSpec, TypeGuard, TypeVar, overload
@@ -86,6 +87,8 @@ class Pmapped(Generic[P, R]):
         self.is_module = isinstance(fn, nn.Module)
         self._caller = _caller_of(fn)
         what = self._caller
+        if (deferred := _deferred_body_message(fn, what)) is not None:
+            raise TypeError(deferred)
         self.in_axes = _axes.check_spec(in_axes, what="in_axes", caller=what, list_as_tuple=True)
         self.out_axes = _axes.check_spec(out_axes, what="out_axes", caller=what, per_replica=True)
         self.axis_name = axis_name
@@ -614,11 +617,25 @@ class Pmapped(Generic[P, R]):
             # function runs as eagerly, and leaves the compiled one to those calls.
             compiled = None
         if not self.is_module:
-            return (compiled or self.fn)(*args, **kwargs)
-        if compiled is None:
-            return _functional_call.functional_call(self.fn, tree[0], args, kwargs)  # type: ignore[arg-type]
-        with _functional_call.private_module(self.fn) as module:  # type: ignore[arg-type]
-            return compiled(module, tree[0], args, kwargs)
+            output = (compiled or self.fn)(*args, **kwargs)
+        elif compiled is None:
+            output = _functional_call.functional_call(self.fn, tree[0], args, kwargs)  # type: ignore[arg-type]
+        else:
+            with _functional_call.private_module(self.fn) as module:  # type: ignore[arg-type]
+                output = compiled(module, tree[0], args, kwargs)
+        if type(output) in _tree.DEFERRED_TYPES:
+            # A generator or a coroutine (from a function that hides its kind: a lambda or a
+            # wrapper around one) holds the replica's work, which would run after the call,
+            # outside the replica. Refused in the replica, on any number of replicas.
+            self._refuse_deferred(output)
+        return output
+
+    def _refuse_deferred(self, output: Any) -> None:
+        reason = _tree.deferred_reason(output)
+        close = getattr(output, "close", None)
+        if close is not None:
+            close()  # never run: a coroutine must not warn later that it was never awaited
+        raise TypeError(f"{self._caller}: the mapped function {reason}")
 
     def _check_unmodified(
         self,
@@ -736,6 +753,43 @@ def _caller_of(fn: Callable[..., Any]) -> str:
     """How messages name a pmapped function: ``fdp.pmap(name)``, a module by its class."""
     name = type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__qualname__", None)
     return f"fdp.pmap({name or type(fn).__name__})"
+
+
+def _deferred_body_message(fn: Callable[..., Any], caller: str) -> str | None:
+    """Why ``fn`` cannot be mapped, where it is a generator or coroutine function (a module's
+    ``forward`` too): calling it runs none of its body, which would run after the call, as the
+    caller iterates or awaits what it returned, outside every replica."""
+    module = isinstance(fn, nn.Module)
+    target = type(fn).forward if isinstance(fn, nn.Module) else fn
+    if inspect.isasyncgenfunction(target):
+        what = "an asynchronous generator function (async def with yield)"
+        when = "the asynchronous generator it returns is iterated with async for"
+    elif inspect.iscoroutinefunction(target):
+        what, when = "a coroutine function (async def)", "the coroutine it returns is awaited"
+    elif inspect.isgeneratorfunction(target):
+        what, when = "a generator function", "the generator it returns is iterated"
+    else:
+        return None
+    if module and what == "a generator function":
+        advice = "Have forward return the values themselves (a tensor, or a list or tuple of them)"
+    elif what == "a generator function":
+        name = getattr(fn, "__name__", "f")
+        name = name if name.isidentifier() else "f"  # (a partial has no name)
+        advice = (
+            "Map a function that returns the values themselves (a tensor, or a list or tuple of "
+            f"them), e.g. lambda *args: list({name}(*args))"
+        )
+    else:
+        advice = (
+            "Map a plain function (def): fdp runs the replicas in threads, not on an event loop "
+            "(from async code, call the pmapped function in a thread: await "
+            "asyncio.to_thread(pmapped, ...))"
+        )
+    return (
+        f"{caller}: {'its forward' if module else 'the function'} is {what}, whose body runs only "
+        f"as {when}: after the pmapped call, in the caller's thread, outside every replica (with "
+        f"no replica index, axis or device of its own). {advice}"
+    )
 
 
 def _not_callable_message(fn: Any) -> str:

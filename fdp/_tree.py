@@ -492,9 +492,46 @@ def _unflattened_container_reason(leaf: Any, caller: str) -> str | None:
     )
 
 
+# Values that hold a function's work not done yet, by exact type: (what it is, when it runs).
+_DEFERRED: dict[type, tuple[str, str]] = {
+    types.GeneratorType: ("a generator", "iterated"),
+    types.CoroutineType: ("a coroutine", "awaited"),
+    types.AsyncGeneratorType: ("an asynchronous generator", "iterated with async for"),
+    map: ("a map object, a lazy iterator", "iterated"),
+    filter: ("a filter object, a lazy iterator", "iterated"),
+}
+DEFERRED_TYPES: frozenset[type] = frozenset(_DEFERRED)
+
+
+def deferred_reason(value: Any) -> str | None:
+    """Why a replica may not return ``value``, where it is a generator, a coroutine or a lazy
+    ``map``/``filter``: the work it stands for would run after the call, as the caller iterates
+    or awaits it, in the caller's thread, outside the replica (no replica index, axis or device
+    of its own); on several replicas, fdp would compare them as values, which they never are.
+    Words that follow "the mapped function" or "the replicas"."""
+    found = _DEFERRED.get(type(value))
+    if found is None:
+        return None
+    what, when = found
+    if isinstance(value, (types.CoroutineType, types.AsyncGeneratorType)):
+        advice = (
+            "Map a plain function (def), not an async one: fdp runs the replicas in threads, not "
+            "on an event loop (from async code, call the pmapped function in a thread: await "
+            "asyncio.to_thread(pmapped, ...))"
+        )
+    else:
+        advice = "Return the values themselves: a tensor, or a list or tuple of them (list(...) of it)"
+    return (
+        f"returned {what}, whose work runs only when it is {when}: after the call, in the "
+        "caller's thread, outside the replica (with no replica index, axis or device of its "
+        f"own). {advice}"
+    )
+
+
 def unjoinable_reason(leaf: Any, caller: str = "") -> str | None:
-    """Why replicas' outputs like ``leaf`` (one replica's) cannot be joined, when it is a
-    container optree does not flatten that holds tensors: fdp would compare the replicas'
+    """Why replicas' outputs like ``leaf`` (one replica's) cannot be joined, when it is work
+    not done yet (see :func:`deferred_reason`) or a container optree does not flatten that holds
+    tensors: fdp would compare the replicas'
     containers as values (a tensor's == has no truth value, so they never agree, and the
     error would speak of "different non-tensor values"), or, where == happened to hold,
     return one replica's tensors for the whole batch. (Reached for every non-tensor output
@@ -502,6 +539,8 @@ def unjoinable_reason(leaf: Any, caller: str = "") -> str | None:
     strings leave at once.)"""
     if type(leaf) in _LEAF_TYPES:
         return None
+    if (deferred := deferred_reason(leaf)) is not None:
+        return f"the replicas {deferred}"
     plain = _unflattened_container(leaf)
     if plain is None:
         return _object_with_tensors_reason(leaf, caller)

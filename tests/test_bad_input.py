@@ -78,6 +78,19 @@ def pm(fn: Callable[..., Any], **options: Any) -> fdp.Pmapped:
     return fdp.pmap(fn, devices=options.pop("devices", cpus(2)), **options)
 
 
+def yields_rows(x: torch.Tensor) -> Any:
+    yield from x
+
+
+async def doubles_later(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class YieldingModule(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        yield x
+
+
 class NormalPolicy(nn.Module):
     """A policy whose forward returns a distribution, as RL code often does."""
 
@@ -476,6 +489,72 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         TypeError,
         r"^fdp.DataParallel: output: the replicas returned a Normal holding tensors \(its attributes "
         r"loc, scale\), .* build the Normal from them after the call, or register Normal with",
+    ),
+    (
+        "a generator or coroutine function as the function to map",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(yields_rows)(*a),
+        TypeError,
+        r"^fdp.pmap\(yields_rows\): the function is a generator function, whose body runs only as the "
+        r"generator it returns is iterated: after the pmapped call, in the caller's thread, outside every "
+        r"replica \(with no replica index, axis or device of its own\). Map a function that returns the "
+        r"values themselves \(a tensor, or a list or tuple of them\), e.g. lambda \*args: "
+        r"list\(yields_rows\(\*args\)\)$",
+    ),
+    (
+        "a generator or coroutine function as the function to map",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(doubles_later)(*a),
+        TypeError,
+        r"^fdp.pmap\(doubles_later\): the function is a coroutine function \(async def\), whose body "
+        r"runs only as the coroutine it returns is awaited: .* Map a plain function \(def\): fdp runs "
+        r"the replicas in threads, not on an event loop \(from async code, call the pmapped function in "
+        r"a thread: await asyncio.to_thread\(pmapped, ...\)\)$",
+    ),
+    (
+        "a generator or coroutine function as the function to map",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(YieldingModule())({}, *a),
+        TypeError,
+        r"^fdp.pmap\(YieldingModule\): its forward is a generator function, .* Have forward return "
+        r"the values themselves",
+    ),
+    (
+        # A function that hides its kind (a lambda, a wrapper) is caught by what it returns, in
+        # the replica: on one device too, where the generator would have come back as it was.
+        "a replica returning a generator, a coroutine or a lazy `map`",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda x: (row for row in x), devices=cpus(1))(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): the mapped function returned a generator, whose work runs only when "
+        r"it is iterated: after the call, in the caller's thread, outside the replica \(with no replica "
+        r"index, axis or device of its own\). Return the values themselves: a tensor, or a list or tuple "
+        r"of them \(list\(...\) of it\)\nfdp.pmap\(\S*<lambda>\): raised by replica 0 of 1 \(device cpu\)$",
+    ),
+    (
+        "a replica returning a generator, a coroutine or a lazy `map`",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda x: doubles_later(x))(*a),  # closed, never awaited: no RuntimeWarning
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): the mapped function returned a coroutine, whose work runs only when "
+        r"it is awaited: .* Map a plain function \(def\), not an async one",
+    ),
+    (
+        "a replica returning a generator, a coroutine or a lazy `map`",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda x: map(torch.square, x))(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): the mapped function returned a map object, a lazy iterator, whose "
+        r"work runs only when it is iterated",
+    ),
+    (
+        # Inside the output, on several replicas: they were "different non-tensor values".
+        "a replica returning a generator, a coroutine or a lazy `map`",
+        lambda: (torch.zeros(4),),
+        lambda a: pm(lambda x: {"rows": (row for row in x), "x": x})(*a),
+        TypeError,
+        r"^fdp.pmap\(\S*<lambda>\): output\['rows'\]: the replicas returned a generator, whose work "
+        r"runs only when it is iterated: .* Return the values themselves",
     ),
     (
         "scatter of mismatched leaves",
