@@ -78,7 +78,7 @@ class SyncBatchNorm(_BatchNorm):
         dtype: their dtype. Default: ``None``, torch's default.
         axis_name: the ``axis_name`` of the :func:`fdp.pmap` (or :class:`fdp.DataParallel`)
             whose replicas share their statistics. Keyword-only, required.
-        bias: with ``affine``, a learnable bias. Default: ``True``.
+        bias: with ``affine``, a learnable bias. Keyword-only. Default: ``True``.
         process_group: ``None`` only, for code ported from ``nn.SyncBatchNorm``: the layer
             shares statistics with the replicas of ``axis_name``, across the processes of
             :mod:`fdp.distributed` too. Keyword-only. Default: ``None``.

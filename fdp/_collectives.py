@@ -1421,7 +1421,7 @@ def psum(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
             On a lone replica (one device, outside :mod:`fdp.distributed`) the result then holds
             those tensors themselves rather than a copy of them, which for a step's gradients
             saves a pass over all of them (tensors that require grad, or are not contiguous, are
-            still copied). Elsewhere it changes nothing. Default: ``False``.
+            still copied). Elsewhere it changes nothing. Keyword-only. Default: ``False``.
 
     Returns:
         A tree like ``x`` holding the sums, each leaf on the device of ``x``'s leaf.
@@ -1482,10 +1482,10 @@ def pmean(
             more than 0, and to a finite float; a number: not differentiated), or ``None`` for
             equal weights. A replica of weight 0 is left out, its value unread (a mean over no
             tokens, NaN, does not make the result NaN). For a loss averaged over the tokens
-            that count (``ignore_index``), their number. Default: ``None``.
+            that count (``ignore_index``), their number. Keyword-only. Default: ``None``.
         donate: whether the caller gives ``x`` up, as a training step gives up its gradients
-            (``grads = fdp.pmean(grads, "i", donate=True)``; see :func:`fdp.psum`). Default:
-            ``False``.
+            (``grads = fdp.pmean(grads, "i", donate=True)``; see :func:`fdp.psum`). Keyword-only.
+            Default: ``False``.
 
     Returns:
         A tree like ``x`` holding the means.
@@ -1544,7 +1544,8 @@ def pmax(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     Args:
         x: a pytree of real tensors (numbers are taken as 0-dim tensors).
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
-        donate: whether the caller gives ``x`` up (see :func:`fdp.psum`). Default: ``False``.
+        donate: whether the caller gives ``x`` up (see :func:`fdp.psum`). Keyword-only. Default:
+            ``False``.
 
     Returns:
         A tree like ``x`` holding the maximums, each leaf on the device of ``x``'s leaf.
@@ -1582,7 +1583,8 @@ def pmin(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     Args:
         x: a pytree of real tensors (numbers are taken as 0-dim tensors).
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
-        donate: whether the caller gives ``x`` up (see :func:`fdp.psum`). Default: ``False``.
+        donate: whether the caller gives ``x`` up (see :func:`fdp.psum`). Keyword-only. Default:
+            ``False``.
 
     Examples:
         >>> import torch, fdp
@@ -1611,8 +1613,8 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
         axis_name: the ``axis_name`` given to :func:`fdp.pmap`.
         dim: where the replicas' values go. Untiled, a new dim of size ``axis_size`` is inserted
             at ``dim`` (of the result's rank; ``-1`` is last); tiled, they are concatenated along
-            the existing ``dim``. Default: ``0``.
-        tiled: concatenate instead of stacking. Default: ``False``.
+            the existing ``dim``. Keyword-only. Default: ``0``.
+        tiled: concatenate instead of stacking. Keyword-only. Default: ``False``.
 
     Returns:
         A tree like ``x``; each leaf with the replicas' values stacked or concatenated.
@@ -1755,8 +1757,8 @@ def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = Fal
         dim: the dim cut into pieces. Untiled, its size must be :func:`fdp.axis_size` and it
             is removed (replica ``r`` gets ``sum[r]`` along it); tiled, its size must be a
             multiple of the axis size and replica ``r`` gets the ``r``-th of that many equal
-            pieces. Default: ``0``.
-        tiled: cut into pieces instead of rows. Default: ``False``.
+            pieces. Keyword-only. Default: ``0``.
+        tiled: cut into pieces instead of rows. Keyword-only. Default: ``False``.
 
     Returns:
         A tree like ``x``: each leaf this replica's piece of the sum, on the device of the leaf.
@@ -1820,7 +1822,7 @@ def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, 
             ``axis_size`` at ``concat_dim`` of the result (which has ``x``'s rank); tiled, the
             pieces are concatenated along the existing ``concat_dim``.
         tiled: cut into pieces and concatenate, instead of removing and inserting a dim.
-            Default: ``False``.
+            Keyword-only. Default: ``False``.
 
     Returns:
         A tree like ``x``. Untiled, each leaf has the shape of ``x``'s leaf with ``split_dim``

@@ -72,16 +72,16 @@ class DataParallel(nn.Module, Generic[_M]):
         output_device: where outputs are gathered. Default: ``None``, the first device.
         dim: the dimension along which inputs (positional and keyword) are split and outputs
             concatenated. Default: ``0``.
-        buffers: in training mode (of any submodule), how the module's buffers are updated
-            from the replicas' copies: ``"average"`` (floating-point and complex buffers become
-            the average of the replicas' updated copies, weighted by their numbers of rows; others, and
-            reassigned ones whose replicas' values differ in shape or dtype, take replica 0's)
-            or ``"replica0"`` (``nn.DataParallel``'s behaviour). Default: ``"average"``.
-        split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Default:
+        buffers: in training mode (of any submodule), how the module's buffers are updated from the
+            replicas' copies: ``"average"`` (floating-point and complex buffers become the average
+            of the replicas' updated copies, weighted by their numbers of rows; others, and
+            reassigned ones whose replicas' values differ in shape or dtype, take replica 0's) or
+            ``"replica0"`` (``nn.DataParallel``'s behaviour). Keyword-only. Default: ``"average"``.
+        split: ``"chunk"`` (``nn.DataParallel``'s rule) or ``"balanced"``. Keyword-only. Default:
             ``"chunk"``.
         axis_name: the name the replicas run under, for collectives inside the module:
             :class:`fdp.SyncBatchNorm` layers of this ``axis_name`` then normalize over the
-            whole batch. Default: ``None``, no collectives.
+            whole batch. Keyword-only. Default: ``None``, no collectives.
 
     Examples:
         >>> import torch, fdp
@@ -346,7 +346,7 @@ class DataParallel(nn.Module, Generic[_M]):
             raise
         rows = _transfer.alias_shared_leaves([[c[name] for name in params] for c in copies], self._devices)
         placed = {
-            name: _state.PerReplica.prefix([row[i] for row in rows], self._devices)
+            name: _state.PerReplica._prefix([row[i] for row in rows], self._devices)
             for i, name in enumerate(params)
         }
         # The data only where the key holds its address: kept elsewhere (a parameter shared as

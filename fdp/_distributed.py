@@ -478,16 +478,18 @@ def initialize(
     Args:
         backend: a ``torch.distributed`` backend: ``"gloo"``, or one per device type
             (``"cpu:gloo,cuda:nccl"``); ``"nccl"`` is taken as ``"cpu:gloo,cuda:nccl"``, as fdp
-            exchanges replica counts and weights as CPU tensors. Default: ``None``,
+            exchanges replica counts and weights as CPU tensors. Keyword-only. Default: ``None``,
             ``"cpu:gloo,cuda:nccl"`` where CUDA and NCCL are available (CPU replicas work on GPU
             machines too), else ``"gloo"``.
         timeout: how long a collective may wait for other ranks (seconds or a timedelta).
-            Default: ``300.0``.
-        rank: this process's rank. Default: ``None``, the existing group's, else from ``RANK``.
-        world_size: the number of processes. Default: ``None``, the existing group's, else from
-            ``WORLD_SIZE``.
-        store: a ``torch.distributed`` store (tests pass a ``FileStore``). Default: ``None``, the
-            existing group's store, else a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``.
+            Keyword-only. Default: ``300.0``.
+        rank: this process's rank. Keyword-only. Default: ``None``, the existing group's, else from
+            ``RANK``.
+        world_size: the number of processes. Keyword-only. Default: ``None``, the existing group's,
+            else from ``WORLD_SIZE``.
+        store: a ``torch.distributed`` store (tests pass a ``FileStore``). Keyword-only. Default:
+            ``None``, the existing group's store, else a ``TCPStore`` at
+            ``MASTER_ADDR:MASTER_PORT``.
 
     Raises:
         RuntimeError: when ``RANK``, ``WORLD_SIZE`` (or, without ``store``, ``MASTER_PORT``) is
@@ -1650,7 +1652,7 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         tree: a pytree of tensors (on the CPU or this process's GPU) and Python numbers
             (``bool``, ``int`` within int64's range, ``float``: an optimizer's step count). Other
             leaves (strings, ``None``, other objects) are kept as they are, each process's own.
-        src: the rank whose values every process gets. Default: ``0``.
+        src: the rank whose values every process gets. Keyword-only. Default: ``0``.
 
     Returns:
         ``tree`` with every tensor replaced by a new tensor of its own with ``src``'s value and
@@ -1820,8 +1822,8 @@ def shard_batch(batch: _Tree, *, local_replicas: int = 1, split: _split.SplitRul
 
     Args:
         batch: a pytree whose tensors share dim 0.
-        local_replicas: the replicas each process runs. Default: ``1``.
-        split: ``"balanced"`` or ``"chunk"``. Default: ``"balanced"``.
+        local_replicas: the replicas each process runs. Keyword-only. Default: ``1``.
+        split: ``"balanced"`` or ``"chunk"``. Keyword-only. Default: ``"balanced"``.
 
     Returns:
         ``batch`` restricted to this process's rows (the whole batch without :func:`initialize`).

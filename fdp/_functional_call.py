@@ -733,9 +733,9 @@ def functional_call(
             the only argument. Default: ``()``.
         kwargs: the keyword arguments for ``forward``. Default: ``None`` (none).
         tie_weights: as in :func:`torch.func.functional_call`: tensors tied in ``module`` stay
-            tied to the value given for any of their names. Default: ``True``.
+            tied to the value given for any of their names. Keyword-only. Default: ``True``.
         strict: as in :func:`torch.func.functional_call`: require exactly the module's
-            parameters and buffers in ``params``. Default: ``False``.
+            parameters and buffers in ``params``. Keyword-only. Default: ``False``.
 
     Returns:
         What ``module.forward`` returns.

@@ -624,7 +624,7 @@ def gather(
             replica on ``device`` (else the first replica's, moved) is returned.
             ``PER_REPLICA``: each leaf becomes a :class:`fdp.PerReplica` of the replicas'
             values, left where they are (a value that shares memory with an
-            earlier replica's is copied). Default: ``0``.
+            earlier replica's is copied). Keyword-only. Default: ``0``.
 
     Returns:
         One tree with the replicas' structure. Non-tensor leaves are returned once, and must

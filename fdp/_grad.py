@@ -89,10 +89,10 @@ def grad(
             ``has_aux``, a ``(value, aux)`` pair).
         argnums: the position of the argument to differentiate with respect to, or a tuple of
             positions (the gradient is then a tuple, one tree per position). Its tensors must
-            be floating-point or complex. Default: ``0``.
+            be floating-point or complex. Keyword-only. Default: ``0``.
         has_aux: whether ``fn`` returns ``(value, aux)``; the gradient is then returned as
             ``(grads, aux)``, with ``aux``'s tensors detached (but where an outer autograd
-            could differentiate through the call, as above). Default: ``False``.
+            could differentiate through the call, as above). Keyword-only. Default: ``False``.
 
     Returns:
         A function of ``fn``'s arguments that returns the gradient (with ``aux``, as above).
@@ -129,9 +129,9 @@ def value_and_grad(
 
     Args:
         fn: as for :func:`grad`.
-        argnums: as for :func:`grad`. Default: ``0``.
+        argnums: as for :func:`grad`. Keyword-only. Default: ``0``.
         has_aux: whether ``fn`` returns ``(value, aux)``: then ``((value, aux), grads)`` is
-            returned. Default: ``False``.
+            returned. Keyword-only. Default: ``False``.
 
     Returns:
         A function of ``fn``'s arguments that returns ``(value, grads)``, the value detached

@@ -664,13 +664,14 @@ def sgd(
         lr: the learning rate: a number (a float, or a 0-dim tensor, whose changes in place
             compiled steps follow), or a :data:`Schedule`, a function of the steps taken before
             this one (``lambda step: 0.1 * 0.9**step``), as a ``LambdaLR`` would set it.
-        momentum: the momentum factor, non-negative. Default: ``0.0``.
+        momentum: the momentum factor, non-negative. Keyword-only. Default: ``0.0``.
         dampening: dampening for momentum (not applied on the first step, as in torch).
-            Default: ``0.0``.
-        nesterov: Nesterov momentum. Default: ``False``.
-        weight_decay: L2 penalty added to the gradient, non-negative. Default: ``0.0``.
+            Keyword-only. Default: ``0.0``.
+        nesterov: Nesterov momentum. Keyword-only. Default: ``False``.
+        weight_decay: L2 penalty added to the gradient, non-negative. Keyword-only. Default:
+            ``0.0``.
         maximize: step up the gradient, to maximize the objective (the gradient is negated
-            before anything else, as in torch). Default: ``False``.
+            before anything else, as in torch). Keyword-only. Default: ``False``.
 
     Examples:
         >>> import torch
@@ -862,12 +863,13 @@ def adam(
         lr: the learning rate: a number (a float or a 0-dim tensor), or a :data:`Schedule` of
             the steps taken before this one, as a ``LambdaLR`` would set it (see :func:`sgd`).
             Default: ``1e-3``.
-        betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
-        eps: added to the denominator, non-negative. Default: ``1e-8``.
-        weight_decay: L2 penalty, non-negative. Default: ``0.0``.
+        betas: the averaging coefficients. Keyword-only. Default: ``(0.9, 0.999)``.
+        eps: added to the denominator, non-negative. Keyword-only. Default: ``1e-8``.
+        weight_decay: L2 penalty, non-negative. Keyword-only. Default: ``0.0``.
         amsgrad: normalize by the largest second moment estimate seen so far (the AMSGrad
-            variant), kept in the state's ``max_exp_avg_sq``. Default: ``False``.
-        maximize: step up the gradient, to maximize the objective. Default: ``False``.
+            variant), kept in the state's ``max_exp_avg_sq``. Keyword-only. Default: ``False``.
+        maximize: step up the gradient, to maximize the objective. Keyword-only. Default:
+            ``False``.
 
     Examples:
         >>> import torch
@@ -896,12 +898,13 @@ def adamw(
         lr: the learning rate: a number (a float or a 0-dim tensor), or a :data:`Schedule` of
             the steps taken before this one, as a ``LambdaLR`` would set it (see :func:`sgd`).
             Default: ``1e-3``.
-        betas: the averaging coefficients. Default: ``(0.9, 0.999)``.
-        eps: added to the denominator, non-negative. Default: ``1e-8``.
-        weight_decay: decoupled weight decay, non-negative. Default: ``1e-2``.
+        betas: the averaging coefficients. Keyword-only. Default: ``(0.9, 0.999)``.
+        eps: added to the denominator, non-negative. Keyword-only. Default: ``1e-8``.
+        weight_decay: decoupled weight decay, non-negative. Keyword-only. Default: ``1e-2``.
         amsgrad: normalize by the largest second moment estimate seen so far (the AMSGrad
-            variant), kept in the state's ``max_exp_avg_sq``. Default: ``False``.
-        maximize: step up the gradient, to maximize the objective. Default: ``False``.
+            variant), kept in the state's ``max_exp_avg_sq``. Keyword-only. Default: ``False``.
+        maximize: step up the gradient, to maximize the objective. Keyword-only. Default:
+            ``False``.
 
     Examples:
         >>> import torch

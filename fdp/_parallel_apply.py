@@ -41,8 +41,8 @@ def parallel_apply(
         fns: one callable for every replica, or one callable for all of them.
         inputs: one entry per replica: a tuple of positional arguments, or a single argument.
         kwargs: one dict of keyword arguments (or ``None``) per replica. Default: ``None``.
-        devices: the replicas' devices. Default: ``None``, the device of the first tensor in
-            each replica's inputs (CPU if it has none).
+        devices: the replicas' devices. Keyword-only. Default: ``None``, the device of the first
+            tensor in each replica's inputs (CPU if it has none).
 
     Returns:
         The replicas' results, in order.

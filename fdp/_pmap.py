@@ -933,39 +933,40 @@ def pmap(
         fn: the function to map, or an ``nn.Module``; a module is called as
             ``pmapped(params, *args, **kwargs)`` with ``params`` (names to parameters and
             buffers, as for :func:`torch.func.functional_call`) given whole to every replica
-            and ``in_axes`` applying to ``args``.
+            and ``in_axes`` applying to ``args``. Default: ``None``, for ``@fdp.pmap(...)``: the
+            call then returns a decorator, which maps the function it is given.
+        axis_name: a name for the mapped axis, for collectives and :func:`fdp.axis_index`
+            inside ``fn``; positional or keyword, as in ``jax.pmap``: ``fdp.pmap(f, "i")`` is
+            ``fdp.pmap(f, axis_name="i")`` (as a decorator, ``@fdp.pmap(axis_name="i")``).
+            Default: ``None``.
         in_axes: how each positional argument is mapped: an int (negative allowed) splits
             every tensor below it along that dim; ``None`` gives every replica the whole value
             on its device; a tuple with one entry per positional argument (or any tree prefix
             of the arguments) mixes them. Keyword arguments are always split along dim 0.
-            Non-tensor leaves reach every replica unchanged. Default: ``0``.
+            Non-tensor leaves reach every replica unchanged. Keyword-only. Default: ``0``.
         out_axes: a tree prefix of the output: an int concatenates the replicas' tensors along
             that dim on ``output_device`` (0-dim outputs are stacked into a vector, whose one
             dim only ``0`` or ``-1`` names); ``None`` returns the value of the replica on
             ``output_device`` (else the first replica's); :data:`fdp.PER_REPLICA` keeps every
             replica's value on its device, as :class:`fdp.PerReplica` leaves (resident state)
             in the output's containers (a ``TypeError`` names a node type that refuses them,
-            checking its fields as it is built). Default: ``0``.
-        axis_name: a name for the mapped axis, for collectives and :func:`fdp.axis_index`
-            inside ``fn``; positional or keyword, as in ``jax.pmap``: ``fdp.pmap(f, "i")`` is
-            ``fdp.pmap(f, axis_name="i")`` (as a decorator, ``@fdp.pmap(axis_name="i")``).
-            Default: ``None``.
+            checking its fields as it is built). Keyword-only. Default: ``0``.
         devices: where the replicas run: CUDA indices, strings, ``torch.device``s; duplicates
-            allowed (``["cpu", "cpu"]`` is two replicas on the CPU). Default: ``None``, all
-            visible CUDA devices, else ``["cpu"]``.
-        output_device: where outputs are gathered (``"cpu"`` allowed). Default: ``None``, the
-            first device.
-        static_argnums: positional arguments passed unchanged to every replica (not scattered,
-            not moved); they must be hashable and given positionally (as in ``jax.pmap``, an
-            index past the call's positional arguments is a ``ValueError``: by keyword, the
-            argument would be mapped). Negative indices count from the last. Default: ``()``.
-        split: ``"chunk"`` follows ``torch.chunk`` like ``nn.DataParallel`` (30 rows over 8
-            devices: 4,4,4,4,4,4,4,2; 10 over 8: five replicas of 2); ``"balanced"`` gives
-            sizes that differ by at most one and never an empty shard. Default: ``"chunk"``.
+            allowed (``["cpu", "cpu"]`` is two replicas on the CPU). Keyword-only. Default:
+            ``None``, all visible CUDA devices, else ``["cpu"]``.
+        output_device: where outputs are gathered (``"cpu"`` allowed). Keyword-only. Default:
+            ``None``, the first device.
+        static_argnums: positional arguments passed unchanged to every replica (not scattered, not
+            moved); they must be hashable and given positionally (as in ``jax.pmap``, an index past
+            the call's positional arguments is a ``ValueError``: by keyword, the argument would be
+            mapped). Negative indices count from the last. Keyword-only. Default: ``()``.
+        split: ``"chunk"`` follows ``torch.chunk`` like ``nn.DataParallel`` (30 rows over 8 devices:
+            4,4,4,4,4,4,4,2; 10 over 8: five replicas of 2); ``"balanced"`` gives sizes that differ
+            by at most one and never an empty shard. Keyword-only. Default: ``"chunk"``.
         check_unmapped_outputs: check that outputs with ``out_axes`` ``None`` are equal on every
             replica, and raise ``ValueError`` if not; under :mod:`fdp.distributed`, on every
             replica of every process (one more small exchange per call, of a digest of each
-            such output). Default: ``False``.
+            such output). Keyword-only. Default: ``False``.
         compile: compile what every replica runs with :func:`torch.compile`, once, shared by
             the replicas: ``True``, or a dict of ``torch.compile`` options (``backend``,
             ``mode``, ``dynamic``, ...). The first call compiles; collectives are graph breaks
@@ -974,7 +975,7 @@ def pmap(
             breaks in its ``forward`` are safe. While dynamo compiles (the first call, new
             input shapes, ...), the replicas take turns between collectives, so that each
             piece is compiled once rather than once per replica. See ``docs/concepts.md`` for
-            when it pays. Default: ``False``.
+            when it pays. Keyword-only. Default: ``False``.
 
     Returns:
         A callable with ``fn``'s signature.

@@ -580,9 +580,10 @@ def scatter(
         tree: any pytree: dicts, lists, tuples, namedtuples, plain dataclasses, optree-registered
             types.
         devices: the devices to split over (ints are CUDA indices; duplicates allowed).
-        in_axes: an int, ``None``, or a tree prefix of ``tree`` of them. Default: ``0``.
-        split: ``"chunk"`` (``torch.chunk``'s rule, fewer replicas than devices for small
-            batches) or ``"balanced"`` (sizes differ by at most one). Default: ``"chunk"``.
+        in_axes: an int, ``None``, or a tree prefix of ``tree`` of them. Keyword-only. Default:
+            ``0``.
+        split: ``"chunk"`` (``torch.chunk``'s rule, fewer replicas than devices for small batches)
+            or ``"balanced"`` (sizes differ by at most one). Keyword-only. Default: ``"chunk"``.
 
     Returns:
         A list with one tree per replica that runs (``len <= len(devices)``).

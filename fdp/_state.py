@@ -51,8 +51,12 @@ class PerReplica:
         self.prefix_ok = False
 
     @classmethod
-    def prefix(cls, values: Sequence[Any], devices: Sequence[torch.device]) -> PerReplica:
-        """Copies of which a call running fewer replicas uses the first ones."""
+    def _prefix(cls, values: Sequence[Any], devices: Sequence[torch.device]) -> PerReplica:
+        """Copies of which a call running fewer replicas uses the first ones.
+
+        fdp.DataParallel's placed parameters: read-only, so a small batch may run on the first
+        devices alone. Private, as ``prefix_ok`` is: resident state must have every replica run.
+        """
         placed = cls(values, devices)
         placed.prefix_ok = True
         return placed

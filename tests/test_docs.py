@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,3 +48,110 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "api" / "index.html").read_text().count("fdp.pmap") > 3
+
+
+# Public classes that users get from fdp rather than construct: their constructors' options are
+# documented where they are made.
+MADE_BY_FDP = {"fdp.Pmapped": "fdp.pmap"}
+ARGS_HEADER = re.compile(r"^(\s*)Args:\s*$")
+ARG_ENTRY = re.compile(r"^(\s*)(\*{0,2}\w+):\s")
+DEFAULT = re.compile(r"Default:\s*``(.+?)``")
+
+
+def _is_record(cls: type) -> bool:
+    """A named tuple or a typing protocol: fields or a call shape, not a constructor's options."""
+    return (issubclass(cls, tuple) and hasattr(cls, "_fields")) or getattr(cls, "_is_protocol", False)
+
+
+def documented_callables() -> list[tuple[str, Callable[..., Any], str]]:
+    """(name, callable, docstring) for what users call with options: every public function, the
+    constructor of every public class that users build, and the public methods fdp defines
+    (but a module's ``forward``, which its call runs, and ``extra_repr``, which ``repr`` runs)."""
+    found = []
+    for name, obj in public_objects():
+        if inspect.isfunction(obj):
+            found.append((name, obj, inspect.getdoc(obj) or ""))
+            continue
+        assert isinstance(obj, type)
+        if name not in MADE_BY_FDP and not _is_record(obj) and not issubclass(obj, BaseException):
+            found.append((name, obj, inspect.getdoc(obj) or ""))
+        for attr, value in vars(obj).items():
+            function = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            if attr.startswith("_") or attr in ("forward", "extra_repr") or not inspect.isfunction(function):
+                continue
+            found.append((f"{name}.{attr}", getattr(obj, attr), inspect.getdoc(function) or ""))
+    return found
+
+
+def docstring_args(doc: str) -> dict[str, str]:
+    """The entries of a Google-style docstring's ``Args:`` section, by name (``*args`` as written)."""
+    lines = doc.splitlines()
+    starts = [i for i, line in enumerate(lines) if ARGS_HEADER.match(line)]
+    if not starts:
+        return {}
+    header = lines[starts[0]]
+    indent = len(header) - len(header.lstrip())
+    entries: dict[str, str] = {}
+    entry_indent = None
+    current = None
+    for line in lines[starts[0] + 1 :]:
+        if not line.strip():
+            continue
+        line_indent = len(line) - len(line.lstrip())
+        if line_indent <= indent:
+            break
+        entry = ARG_ENTRY.match(line)
+        if entry and (entry_indent is None or line_indent == entry_indent):
+            entry_indent = line_indent
+            current = entry[2]
+            entries[current] = line[entry.end() :].strip()
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def _same_default(written: str, actual: object) -> bool:
+    try:
+        value = ast.literal_eval(written)
+    except (ValueError, SyntaxError):
+        return False
+    # 1e-3 for 0.001 and 0 for 0.0 are the same default; False for 0 is not.
+    return value == actual and (type(value) is type(actual) or {type(value), type(actual)} <= {int, float})
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "doc"), documented_callables(), ids=[name for name, _, _ in documented_callables()]
+)
+def test_docstring_args_match_the_signature(name: str, fn: Callable[..., Any], doc: str) -> None:
+    """``Args`` lists every parameter, in the signature's order, with its real default, and says
+    which are keyword-only (``Keyword-only.``, as ``help()`` and the site's signature show)."""
+    parameters = [p for p in inspect.signature(fn).parameters.values() if p.name not in ("self", "cls")]
+    written = {
+        ("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name: p
+        for p in parameters
+    }
+    entries = docstring_args(doc)
+    assert list(entries) == list(written), (
+        f"{name}: the docstring's Args lists {list(entries)}, the signature has {list(written)}"
+    )
+    for key, parameter in written.items():
+        entry = entries[key]
+        defaults = DEFAULT.findall(entry)
+        if parameter.default is parameter.empty:
+            assert not defaults, (
+                f"{name}: {key} is required, but its Args entry says Default: ``{defaults[0]}``"
+            )
+        else:
+            assert len(defaults) == 1, (
+                f"{name}: {key}'s Args entry does not say Default: ``{parameter.default!r}``"
+            )
+            assert _same_default(defaults[0], parameter.default), (
+                f"{name}: {key}'s Args entry says Default: ``{defaults[0]}``, the signature's is "
+                f"{parameter.default!r}"
+            )
+        says_keyword_only = "Keyword-only" in entry
+        is_keyword_only = parameter.kind is parameter.KEYWORD_ONLY
+        assert says_keyword_only == is_keyword_only, (
+            f"{name}: {key} is {'' if is_keyword_only else 'not '}keyword-only, but its Args entry "
+            f"{'does not say' if is_keyword_only else 'says'} Keyword-only"
+        )
