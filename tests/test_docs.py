@@ -155,3 +155,105 @@ def test_docstring_args_match_the_signature(name: str, fn: Callable[..., Any], d
             f"{name}: {key} is {'' if is_keyword_only else 'not '}keyword-only, but its Args entry "
             f"{'does not say' if is_keyword_only else 'says'} Keyword-only"
         )
+
+
+API_PAGE = ROOT / "docs" / "api.md"
+# A code span of the table's first column: fdp.NAME or fdp.A/B/C (names in one module), with or
+# without its parameters.
+SPAN = re.compile(r"`(fdp(?:\.\w+)*)\.(\w+(?:/\w+)*)(\(([^`]*)\))?`")
+
+
+def api_table() -> dict[str, list[str | None]]:
+    """What the first column of docs/api.md's table shows: for each name, the parameter lists
+    it is shown with (``None`` where it is named without them)."""
+    shown: dict[str, list[str | None]] = {}
+    for row in API_PAGE.read_text().splitlines():
+        if row.startswith("| `"):
+            for span in SPAN.finditer(row.split(" | ")[0]):
+                for name in span[2].split("/"):
+                    shown.setdefault(f"{span[1]}.{name}", []).append(span[4])
+    return shown
+
+
+def _shown_parameters(listing: str) -> list[str]:
+    """The entries of a shown parameter list, split on the commas between them."""
+    entries, depth, current = [], 0, ""
+    for char in listing:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            entries.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [*entries, current.strip()] if current.strip() else entries
+
+
+def check_shown_signature(shown: str, signature: inspect.Signature) -> None:
+    """``shown``, ``name(parameters)``, has the signature's parameters in order, with their
+    defaults, and ``/`` and ``*`` where the signature has them; ``...`` stands for parameters
+    left out."""
+    parameters = [p for p in signature.parameters.values() if p.name not in ("self", "cls")]
+    names = [p.name for p in parameters]
+    listing = shown[shown.index("(") + 1 : -1]
+    position, skipping, keyword_only = 0, False, False
+    for entry in _shown_parameters(listing):
+        if entry == "...":
+            skipping = True
+        elif entry == "/":
+            assert position and parameters[position - 1].kind is inspect.Parameter.POSITIONAL_ONLY, (
+                f"docs/api.md shows {shown}: '/' after parameters that are not positional-only"
+            )
+        elif entry == "*":
+            keyword_only = True
+        else:
+            key, equals, default = (part.strip() for part in entry.partition("="))
+            variadic = key.startswith("*")
+            key = key.lstrip("*")
+            assert key in names[position:], f"docs/api.md shows {shown}: no parameter {key} there"
+            index = names.index(key, position)
+            assert skipping or index == position, (
+                f"docs/api.md shows {shown}: {names[position:index]} left out before {key}, with no '...'"
+            )
+            parameter = parameters[index]
+            is_keyword_only = parameter.kind is parameter.KEYWORD_ONLY
+            assert is_keyword_only == keyword_only, (
+                f"docs/api.md shows {shown}: {key} is {'' if is_keyword_only else 'not '}keyword-only"
+            )
+            if equals:
+                assert parameter.default is not parameter.empty and _same_default(
+                    default, parameter.default
+                ), (
+                    f"docs/api.md shows {shown}: {key}={default}, the signature's default is "
+                    f"{'none' if parameter.default is parameter.empty else repr(parameter.default)}"
+                )
+            else:
+                assert parameter.default is parameter.empty or variadic, (
+                    f"docs/api.md shows {shown}: {key} without its default, {parameter.default!r}"
+                )
+            keyword_only = keyword_only or variadic
+            position, skipping = index + 1, False
+    assert skipping or position == len(parameters), (
+        f"docs/api.md shows {shown}: {names[position:]} left out, with no '...'"
+    )
+
+
+def test_api_table_shows_every_public_function_with_its_signature() -> None:
+    """docs/api.md's table names every public function and class, each function with its
+    parameters, and every parameter list it shows is the real one."""
+    shown = api_table()
+    state_tuples = [(f"fdp.optim.{name}", getattr(optim, name)) for name in sorted(STATE_TUPLES)]
+    problems = []
+    for name, obj in [*public_objects(), *state_tuples]:
+        if name not in shown:
+            problems.append(f"docs/api.md's table does not name {name}")
+            continue
+        if inspect.isfunction(obj) and all(listing is None for listing in shown[name]):
+            problems.append(f"docs/api.md's table names {name} without its parameters")
+        for listing in shown[name]:
+            if listing is not None:
+                try:
+                    check_shown_signature(f"{name}({listing})", inspect.signature(obj))
+                except AssertionError as error:
+                    problems.append(str(error).partition("\nassert")[0])
+    assert not problems, "\n".join(problems)
