@@ -825,6 +825,49 @@ def _axes_as_axis_name(axis_name: Any) -> TypeGuard[tuple[Any, ...] | list[Any]]
     )
 
 
+# Options of jax.pmap, torch.vmap and nn.DataParallel that fdp.pmap spells otherwise or does
+# without, by name: (whose option it is, what fdp.pmap takes instead). Ported code passes them,
+# and Python's "got an unexpected keyword argument" does not say what to write.
+_FOREIGN_OPTIONS = {
+    "static_broadcasted_argnums": ("jax.pmap's", "fdp.pmap's is static_argnums"),
+    "donate_argnums": (
+        "jax.pmap's",
+        "fdp.pmap donates no argument; the reductions take donate=True for the value they "
+        "reduce: fdp.pmean(grads, 'i', donate=True)",
+    ),
+    "axis_size": (
+        "jax.pmap's",
+        "the replicas are the batch's shards, at most one per device (fdp.axis_size(axis_name) "
+        "counts them inside the function)",
+    ),
+    "backend": ("jax.pmap's", "name the devices: devices=['cuda:0', 'cuda:1'], or ['cpu', 'cpu']"),
+    "global_arg_shapes": ("jax.pmap's", "fdp.pmap needs no shapes: the arguments are split as they come"),
+    "in_dims": ("torch.vmap's", "fdp.pmap's is in_axes, as jax.pmap's"),
+    "out_dims": ("torch.vmap's", "fdp.pmap's is out_axes, as jax.pmap's"),
+    "device_ids": ("nn.DataParallel's", "fdp.pmap's is devices (fdp.DataParallel takes device_ids)"),
+    "dim": (
+        "nn.DataParallel's",
+        "fdp.pmap splits along in_axes and joins along out_axes (fdp.DataParallel takes dim)",
+    ),
+}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _refusing_foreign_options(pmap: _F) -> _F:
+    """``pmap``, saying what to write instead of another library's option (``_FOREIGN_OPTIONS``)."""
+
+    @functools.wraps(pmap)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if kwargs and not _FOREIGN_OPTIONS.keys().isdisjoint(kwargs):
+            name = next(name for name in kwargs if name in _FOREIGN_OPTIONS)
+            whose, instead = _FOREIGN_OPTIONS[name]
+            raise TypeError(f"fdp.pmap got an unexpected keyword argument {name!r} ({whose}): {instead}")
+        return pmap(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
 # First, for @functools.partial(fdp.pmap, axis_name="i"), JAX's decorator: mypy's partial plugin
 # skips overloaded functions, and typeshed's partial then returns what the first overload returns,
 # whatever function the partial decorates. From the module's overload, every call of a function
@@ -901,6 +944,7 @@ def pmap(
 ) -> Callable[[Callable[P, R]], Pmapped[P, R]]: ...
 
 
+@_refusing_foreign_options
 def pmap(
     fn: Callable[P, R] | None = None,
     /,

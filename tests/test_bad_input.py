@@ -859,6 +859,16 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"collectives: fdp.pmap\(f, 'i', in_axes=...\)$",
     ),
     (
+        # Python's own "pmap() got an unexpected keyword argument" said nothing of static_argnums.
+        "another library's option (`static_broadcasted_argnums=`, `donate_argnums=`, torch.vmap's "
+        "`in_dims=`, nn.DataParallel's `device_ids=`)",
+        lambda: (torch.ones(4), 3),
+        lambda a: fdp.pmap(lambda x, k: x * k, static_broadcasted_argnums=1, devices=cpus(2))(*a),  # type: ignore[call-overload]
+        TypeError,
+        r"^fdp.pmap got an unexpected keyword argument 'static_broadcasted_argnums' \(jax.pmap's\): "
+        r"fdp.pmap's is static_argnums$",
+    ),
+    (
         "gather of one tree (a tensor, a dict) in place of the list of the replicas' trees",
         lambda: ({"y": torch.zeros(2)},),
         lambda a: fdp.gather(a[0], "cpu"),

@@ -225,6 +225,32 @@ def test_in_axes_passed_where_the_axis_name_goes_is_refused(axis_name: Any, in_a
         assert f(torch.ones(2)).tolist() == [0.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    ("option", "advice"),
+    [
+        ("static_broadcasted_argnums", "fdp.pmap's is static_argnums"),
+        ("donate_argnums", "fdp.pmean(grads, 'i', donate=True)"),
+        ("axis_size", "fdp.axis_size(axis_name)"),
+        ("backend", "devices=['cuda:0', 'cuda:1']"),
+        ("global_arg_shapes", "no shapes"),
+        ("in_dims", "fdp.pmap's is in_axes"),
+        ("out_dims", "fdp.pmap's is out_axes"),
+        ("device_ids", "fdp.pmap's is devices"),
+        ("dim", "in_axes and joins along out_axes"),
+    ],
+)
+def test_another_librarys_option_says_what_fdp_pmap_takes(option: str, advice: str) -> None:
+    # Python's "pmap() got an unexpected keyword argument" named the option, not fdp's spelling.
+    for build in (lambda: fdp.pmap(torch.neg, **{option: 1}), lambda: fdp.pmap(**{option: 1})):
+        with pytest.raises(
+            TypeError, match=rf"^fdp.pmap got an unexpected keyword argument '{option}' \("
+        ) as info:
+            build()
+        assert advice in str(info.value), str(info.value)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'typo'"):  # others: Python's error
+        fdp.pmap(torch.neg, typo=1)  # type: ignore[call-overload]
+
+
 # --- devices -----------------------------------------------------------------------------------
 
 
