@@ -60,12 +60,29 @@ def default_devices() -> tuple[torch.device, ...]:
     return tuple(_distributed.local_devices())
 
 
-def check_available(device: torch.device, *, what: str) -> torch.device:
-    """Checks that ``device`` exists on this machine; pins a bare ``cuda`` to an index."""
+def check_available(device: torch.device, *, what: str, replica: bool = False) -> torch.device:
+    """Checks that ``device`` exists on this machine; pins a bare ``cuda`` to an index.
+
+    ``replica``: ``device`` is one of a list of replicas' devices, for the advice.
+    """
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
-        raise ValueError(f"{what} is {str(device)!r}, but CUDA is not available on this machine")
+        # Most often GPU code (nn.DataParallel's device_ids=[0, 1]) run on a laptop or a CPU
+        # build of torch: say how to run the same replicas on the CPU.
+        why = (
+            f"this torch, {torch.__version__}, is built without CUDA"
+            if torch.version.cuda is None
+            else "no GPU or driver found"
+        )
+        instead = (
+            "to run the replicas on the CPU, name it once per replica: ['cpu', 'cpu'] runs two"
+            if replica
+            else "name the CPU, 'cpu', instead"
+        )
+        raise ValueError(
+            f"{what} is {str(device)!r}, but CUDA is not available on this machine ({why}): {instead}"
+        )
     count = torch.cuda.device_count()
     index = torch.cuda.current_device() if device.index is None else device.index
     if index >= count:
@@ -96,5 +113,5 @@ def resolve_devices(
     if not parsed:
         raise ValueError(f"{what} must name at least one device, got an empty sequence")
     if check:
-        parsed = tuple(check_available(d, what=f"{what}[{i}]") for i, d in enumerate(parsed))
+        parsed = tuple(check_available(d, what=f"{what}[{i}]", replica=True) for i, d in enumerate(parsed))
     return parsed

@@ -245,7 +245,7 @@ class Pmapped(Generic[P, R]):
                 devices = _devices.default_devices()
             else:
                 devices = tuple(
-                    _devices.check_available(d, what=f"{what} devices[{i}]")
+                    _devices.check_available(d, what=f"{what} devices[{i}]", replica=True)
                     for i, d in enumerate(self._devices_arg)
                 )
             output = (

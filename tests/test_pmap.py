@@ -295,8 +295,21 @@ def test_bad_devices_fail_when_built(devices: Any, error: type, match: str) -> N
 @pytest.mark.parametrize("device", [0, "cuda:1", torch.device("cuda")])
 def test_cuda_device_without_cuda_fails_at_first_call(device: Any) -> None:
     f = fdp.pmap(lambda x: x, devices=["cpu", device])  # building does not touch CUDA
-    with pytest.raises(ValueError, match=r"devices\[1\] is 'cuda.*CUDA is not available"):
+    with pytest.raises(ValueError, match=r"devices\[1\] is 'cuda.*CUDA is not available") as info:
         f(torch.zeros(2))
+    # GPU code (nn.DataParallel's device_ids=[0, 1]) on a machine without one: the message says
+    # how to run the same replicas on the CPU, where it said only that CUDA was missing.
+    assert str(info.value).endswith(
+        "to run the replicas on the CPU, name it once per replica: ['cpu', 'cpu'] runs two"
+    ), str(info.value)
+    if torch.version.cuda is None:
+        assert f"(this torch, {torch.__version__}, is built without CUDA)" in str(info.value)
+    with pytest.raises(ValueError, match=r"device_ids\[0\] is 'cuda:0', but CUDA .*: to run the replicas on"):
+        fdp.DataParallel(torch.nn.Linear(2, 2), device_ids=[0, 1])
+    with pytest.raises(
+        ValueError, match=r"output_device is 'cuda:0', but CUDA .*: name the CPU, 'cpu', instead$"
+    ):
+        fdp.pmap(lambda x: x, devices=["cpu"], output_device=0)(torch.zeros(2))
 
 
 def test_output_device_cpu_and_bad_output_device() -> None:
