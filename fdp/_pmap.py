@@ -60,6 +60,9 @@ class _Plan:
 class Pmapped(Generic[P, R]):
     """A function mapped over devices by :func:`pmap`; call it like the original.
 
+    Made by :func:`pmap`, whose ``Args`` are its options (the constructor is not public API).
+    ``devices`` and ``output_device`` are resolved and checked on first use.
+
     Examples:
         >>> import torch, fdp
         >>> double = fdp.pmap(lambda x: 2 * x, devices=["cpu", "cpu"])
