@@ -23,10 +23,35 @@ reading ``device.type`` builds a new string each time (~10 µs right after a ste
 have evicted torch's code from the caches, against ~3 µs for the comparison)."""
 
 
-def parse_device(device: object, *, what: str) -> torch.device:
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _as_list_spelling(text: str) -> str | None:
+    """The list of devices that a command-line spelling of several means (the examples'
+    ``--devices cpu,cpu`` or ``'cpu*8'``), written in Python, or None for another string."""
+    if "," not in text and "*" not in text:
+        return None
+    counted = []
+    for item in text.split(","):
+        name, star, count = (part.strip() for part in item.partition("*"))
+        if not _is_device(name) or (star and not (count.isdigit() and int(count) > 0)):
+            return None
+        counted.append((name, int(count) if star else 1))
+    if len(counted) == 1:
+        return f"[{counted[0][0]!r}] * {counted[0][1]}"
+    return repr([name for name, count in counted for _ in range(count)])
+
+
+def parse_device(device: object, *, what: str, replica: bool = False) -> torch.device:
     """Turns one device spelling into a ``torch.device`` without touching the hardware.
 
-    ``what`` names the argument in error messages, e.g. ``"fdp.pmap devices[2]"``.
+    ``what`` names the argument in error messages, e.g. ``"fdp.pmap devices[2]"``; ``replica``:
+    ``device`` is an entry of a list of replicas' devices, for the advice.
     """
     if isinstance(device, bool):  # bool is an int subclass: True is no CUDA index
         raise TypeError(f"{what} must be an int, str or torch.device, got {device!r}")
@@ -38,7 +63,12 @@ def parse_device(device: object, *, what: str) -> torch.device:
         try:
             parsed = torch.device(device)
         except RuntimeError as err:
-            raise ValueError(f"{what} is not a device: {device!r} ({err})") from None
+            spelled = _as_list_spelling(device) if replica else None
+            # The examples' --devices 'cpu*8' in one entry of a list: the list is the replicas.
+            advice = (
+                "" if spelled is None else f"; a list names one device per replica: for {device!r}, {spelled}"
+            )
+            raise ValueError(f"{what} is not a device: {device!r} ({err}){advice}") from None
     elif isinstance(device, torch.device):
         parsed = device
     else:
@@ -101,6 +131,15 @@ def resolve_devices(
         return default_devices()
     if isinstance(devices, (str, int, torch.device)):
         advice = f"write [{devices!r}] for a single device"
+        if isinstance(devices, str) and not _is_device(devices):
+            # Not one device, so [devices] would be no advice: the examples' command-line
+            # spelling of several (--devices cpu,cpu or 'cpu*8'), or a typo.
+            spelled = _as_list_spelling(devices)
+            advice = (
+                "write a list of devices, one per replica, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']"
+                if spelled is None
+                else f"write {spelled} for the devices that {devices!r} names on the examples' command line"
+            )
         if type(devices) is int and 1 < devices <= 8:
             # jax's count of devices reads like one here (pmap(f, devices=2)), but an int names
             # a GPU: say both spellings.
@@ -109,7 +148,7 @@ def resolve_devices(
                 f"per replica for {devices} replicas, e.g. {['cpu'] * devices!r}"
             )
         raise TypeError(f"{what} must be a sequence of devices, got {devices!r}; {advice}")
-    parsed = tuple(parse_device(d, what=f"{what}[{i}]") for i, d in enumerate(devices))
+    parsed = tuple(parse_device(d, what=f"{what}[{i}]", replica=True) for i, d in enumerate(devices))
     if not parsed:
         raise ValueError(f"{what} must name at least one device, got an empty sequence")
     if check:

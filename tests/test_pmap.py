@@ -281,6 +281,33 @@ def test_device_spellings() -> None:
             r"must be a sequence of devices, got 2; write \[2\] for the single device cuda:2, or a list "
             r"of one device per replica for 2 replicas, e.g. \['cpu', 'cpu'\]$",
         ),
+        # The examples' --devices spellings (cpu,cpu and 'cpu*8') in code: ['cpu*2'] was the advice,
+        # which is no device either.
+        (
+            "cpu*2",
+            TypeError,
+            r"got 'cpu\*2'; write \['cpu'\] \* 2 for the devices that 'cpu\*2' names on the examples' "
+            r"command line$",
+        ),
+        (
+            "cpu*2,cuda:1",
+            TypeError,
+            r"; write \['cpu', 'cpu', 'cuda:1'\] for the devices that 'cpu\*2,cuda:1'",
+        ),
+        ("cpu,cpu", TypeError, r"; write \['cpu', 'cpu'\] for the devices that 'cpu,cpu' names"),
+        (
+            "gpu,gpu",
+            TypeError,
+            r"got 'gpu,gpu'; write a list of devices, one per replica, e.g. \['cpu', 'cpu'\] or "
+            r"\['cuda:0', 'cuda:1'\]$",
+        ),
+        (
+            ["cpu", "cpu*4"],
+            ValueError,
+            r"devices\[1\] is not a device: 'cpu\*4' \(.*\); a list names one device per replica: for "
+            r"'cpu\*4', \['cpu'\] \* 4$",
+        ),
+        (["cpu*x"], ValueError, r"devices\[0\] is not a device: 'cpu\*x' \([^)]*\)$"),
         ([1.5], TypeError, r"devices\[0\] must be an int, str or torch.device"),
         ([True], TypeError, r"devices\[0\] must be an int"),
         ([-1], ValueError, "non-negative CUDA index"),
