@@ -518,6 +518,14 @@ class Pmapped(Generic[P, R]):
     ) -> _Plan:
         in_axes = self.in_axes
         args = parts[-2]
+        if isinstance(in_axes, tuple) and len(in_axes) < len(args) and self.static_argnums:
+            # jax.pmap reads in_axes[i] for each non-static argument i only, so a tuple there
+            # may stop before trailing static arguments: in_axes=(0,) with
+            # static_broadcasted_argnums=1 runs. (A static argument before a mapped one still
+            # needs its entry, there as here.)
+            static = {i + len(args) if i < 0 else i for i in self.static_argnums}
+            if static.issuperset(range(len(in_axes), len(args))):
+                in_axes = in_axes + (_axes.BROADCAST,) * (len(args) - len(in_axes))
         if isinstance(in_axes, tuple) and len(in_axes) == len(args) and self.static_argnums:
             in_axes = tuple(_axes.BROADCAST if a is None else ax for a, ax in zip(args, in_axes))
         axes: list[Any] = []
@@ -989,8 +997,10 @@ def pmap(
         in_axes: how each positional argument is mapped: an int (negative allowed) splits
             every tensor below it along that dim; ``None`` gives every replica the whole value
             on its device; a tuple with one entry per positional argument (or any tree prefix
-            of the arguments) mixes them. Keyword arguments are always split along dim 0.
-            Non-tensor leaves reach every replica unchanged. Keyword-only. Default: ``0``.
+            of the arguments) mixes them (as in ``jax.pmap``, it may stop before static
+            arguments that come after the last mapped one). Keyword arguments are always split
+            along dim 0. Non-tensor leaves reach every replica unchanged. Keyword-only.
+            Default: ``0``.
         out_axes: a tree prefix of the output: an int concatenates the replicas' tensors along
             that dim on ``output_device`` (0-dim outputs are stacked into a vector, whose one
             dim only ``0`` or ``-1`` names); ``None`` returns the value of the replica on

@@ -1216,6 +1216,22 @@ def test_static_argnums_pass_unchanged() -> None:
     assert all(t is big and m == "fast" for t, m in seen) and len(seen) == 2
 
 
+@pytest.mark.parametrize("static_argnums", [(1, 2), (-2, -1)])
+def test_in_axes_may_stop_before_trailing_static_arguments(static_argnums: tuple[int, ...]) -> None:
+    # As in jax.pmap, which reads in_axes[i] for the non-static arguments i only: a tuple
+    # without entries for the static arguments after the last mapped one was refused.
+    def f(x, k, mode):
+        assert mode == "scale"
+        return x * k
+
+    g = fdp.pmap(f, in_axes=(0,), static_argnums=static_argnums, devices=cpus(2))
+    torch.testing.assert_close(g(torch.arange(4.0), 3, "scale"), torch.arange(4.0) * 3)
+    # A static argument between mapped ones still needs its entry (jax.pmap's too).
+    h = fdp.pmap(lambda x, k, y: x * k + y, in_axes=(0, 0), static_argnums=1, devices=cpus(2))
+    with pytest.raises(ValueError, match=r"in_axes has an entry for every positional argument"):
+        h(torch.zeros(4), 3, torch.zeros(4))
+
+
 def test_unhashable_static_argument_is_a_type_error() -> None:
     f = fdp.pmap(lambda x, opts: x, static_argnums=1, devices=cpus(2))
     with pytest.raises(TypeError, match=r"static arguments must be hashable.*args\[1\] of type list"):
