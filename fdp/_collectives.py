@@ -375,11 +375,9 @@ class _Packed:
                     )
                 if numbers == "count" and leaf.dtype == torch.bool:
                     leaf = self.leaves[k] = leaf.to(torch.int64)
-            elif isinstance(leaf, bool | int | float) or _numpy_number(leaf):
-                if not isinstance(leaf, bool | int | float):
-                    # np.float32, np.int64, np.bool_ (np.float64 is a float already): the
-                    # Python number, so that every NumPy scalar counts as one.
-                    leaf = leaf.item()
+            elif _numpy_number(leaf):  # (before Python's numbers: np.float64 is a float too)
+                leaf = self.leaves[k] = _numpy_scalar_tensor(leaf, device, numbers)
+            elif isinstance(leaf, bool | int | float):
                 if numbers == "float":
                     leaf = float(leaf)
                 elif numbers == "count" and isinstance(leaf, bool):
@@ -484,6 +482,25 @@ def _numpy_number(leaf: Any) -> bool:
     only if the program imported it)."""
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(leaf, numpy.generic) and leaf.dtype.kind in "biuf"
+
+
+def _numpy_scalar_tensor(leaf: Any, device: torch.device, numbers: str) -> torch.Tensor:
+    """A NumPy scalar as a 0-dim tensor of its own dtype, as ``torch.as_tensor`` makes it and
+    as ``jax.lax``'s collectives keep it (an ``np.float16`` sums as ``float16``). Taken as its
+    Python number instead (the default dtypes), they were ``float32`` or ``int64`` whatever
+    their dtype, but ``np.float64``, a ``float``, kept ``float64`` in ``psum`` and not in
+    ``pmean``. ``numbers`` as for :class:`_Packed`: ``pmean`` averages integers and booleans as
+    Python's, in floats of the default dtype; ``psum`` counts booleans as ``int64``."""
+    if numbers == "float" and leaf.dtype.kind in "biu":
+        return torch.tensor(float(leaf), device=device)
+    tensor = torch.as_tensor(leaf, device=device)
+    if numbers == "count" and tensor.dtype == torch.bool:
+        return tensor.to(torch.int64)
+    if numbers != "as_is" and not _combinable(tensor.device, tensor.dtype, numbers):
+        # np.uint16, np.uint32, np.uint64: torch adds and orders none of them on the CPU. As
+        # their Python int (int64), rather than refused as a tensor of theirs would be.
+        return torch.as_tensor(leaf.item(), device=device)
+    return tensor
 
 
 def _check_same_layout(packs: Sequence[_Packed], caller: str, offset: int = 0, joins: bool = False) -> None:

@@ -268,6 +268,46 @@ def test_numpy_scalars_count_as_numbers() -> None:
     assert {k: v.item() for k, v in means.items()} == {"f32": 1.5, "i64": 2.0, "bool": 1.0}
 
 
+def test_numpy_scalars_keep_their_dtype() -> None:
+    # As torch.as_tensor makes them, and as jax.lax's collectives keep them. Taken as Python
+    # numbers, they came back float32 or int64 whatever their dtype, but np.float64 (a float)
+    # kept float64 in psum and not in pmean.
+    numpy = pytest.importorskip("numpy")
+    numbers = {
+        "f16": numpy.float16(1.5),
+        "f32": numpy.float32(1.5),
+        "f64": numpy.float64(1.5),
+        "i16": numpy.int16(2),
+        "u8": numpy.uint8(2),
+        "bool": numpy.bool_(True),
+        "u32": numpy.uint32(2),  # torch adds no uint32 on the CPU: as its int
+    }
+
+    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
+    def combined(x: torch.Tensor) -> Any:
+        return (
+            fdp.psum(numbers, "i"),
+            fdp.pmean(numbers, "i"),
+            fdp.pmax(numbers, "i"),
+            fdp.all_gather(numbers, "i"),
+            fdp.ppermute(numbers, "i", [(0, 1), (1, 0)]),
+        )
+
+    sums, means, maxima, gathered, permuted = combined(torch.zeros(2))
+    own = {k: torch.as_tensor(v).dtype for k, v in numbers.items()}
+    counted = {**own, "bool": torch.int64, "u32": torch.int64}
+    assert {k: v.dtype for k, v in sums.items()} == counted
+    assert {k: v.item() for k, v in sums.items()} == {k: 2 * v.item() for k, v in numbers.items()}
+    # pmean averages integers and booleans as floats of the default dtype, as Python's.
+    floats = dict.fromkeys(["i16", "u8", "bool", "u32"], torch.get_default_dtype())
+    assert {k: v.dtype for k, v in means.items()} == {**own, **floats}
+    assert {k: v.item() for k, v in means.items()} == {k: float(v.item()) for k, v in numbers.items()}
+    assert {k: v.dtype for k, v in maxima.items()} == {**own, "u32": torch.int64}
+    for tree in (gathered, permuted):
+        assert {k: v.dtype for k, v in tree.items()} == own
+    assert {k: v.tolist() for k, v in gathered.items()} == {k: [v.item()] * 2 for k, v in numbers.items()}
+
+
 def test_psum_of_numbers_counts_replicas() -> None:
     out = fdp.pmap(lambda x: fdp.psum(1, "i") + x * 0, axis_name="i", devices=cpus(8))(torch.zeros(10))
     assert out.tolist() == [5.0] * 10  # 10 rows over 8 devices: 5 replicas
