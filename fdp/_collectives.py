@@ -151,9 +151,10 @@ class _Packed:
 
     Numbers become 0-dim tensors on ``device``. ``numbers`` says how the reduction takes them
     (one pass over the leaves does it, rather than a tree map before packing): ``"as_is"``;
-    ``"count"`` (``psum``: booleans count, as int64, as in ``jax.lax.psum`` and ``torch.sum``);
-    ``"float"`` (``pmean``: Python ints and bools average as floats of the default dtype, and a
-    tensor that is not floating-point or complex is an error); ``"ordered"`` (``pmax``/``pmin``:
+    ``"count"`` (``psum``: booleans count, as int64, as in ``torch.sum``; ``jax.lax.psum``
+    counts in int32); ``"float"`` (``pmean``: Python's and NumPy's ints and bools average as
+    floats of the default dtype, and a tensor that is not floating-point or complex is an
+    error); ``"ordered"`` (``pmax``/``pmin``:
     a complex tensor is an error, named here rather than by torch's kernel, which cannot order
     complex numbers and names neither the collective nor the leaf).
 
@@ -1556,7 +1557,8 @@ def pmax(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
     A NaN on any replica gives NaN there, as ``torch.maximum`` does. The gradient goes to every
-    replica holding the maximum, in equal parts where several do (see ``docs/collectives.md``).
+    replica holding the maximum, in equal parts where several do, and is NaN where the maximum
+    is, as ``torch.amax``'s (see ``docs/collectives.md``).
 
     Args:
         x: a pytree of real tensors (numbers are taken as 0-dim tensors).

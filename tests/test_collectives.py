@@ -885,6 +885,18 @@ def test_grad_of_pmax_goes_to_the_largest() -> None:
     torch.testing.assert_close(out, torch.tensor([0.0, 2.0, 0.0, 2.0]))  # n cotangents, split over the tie
 
 
+@pytest.mark.parametrize("collective", [fdp.pmax, fdp.pmin])
+def test_grad_of_pmax_is_nan_where_the_extreme_is_nan(collective: Any) -> None:
+    # As torch.amax's gradient, for every replica, the ones holding a number too (jax.grad has
+    # no rule for pmax; of jnp.max over the gathered values, it gives 0 there).
+    nan = float("nan")
+    x = torch.tensor([[nan, 1.0], [2.0, 1.0], [nan, 3.0], [0.0, 3.0]])
+    out = per_row(lambda x: torch.func.grad(lambda x: collective(x, "i").sum())(x))(x)
+    whole = torch.func.grad(lambda x: (x.amax(0) if collective is fdp.pmax else x.amin(0)).sum())(x)
+    torch.testing.assert_close(out, N * whole, equal_nan=True)
+    assert out[:, 0].isnan().all() and not out[:, 1].isnan().any()
+
+
 def test_double_grad_inside_replicas() -> None:
     x = rows()
     second = per_row(
