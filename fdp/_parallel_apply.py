@@ -49,7 +49,9 @@ def parallel_apply(
 
     Raises:
         RuntimeError: called inside a mapped function, or under a ``torch.func`` transform
-            (whose result the replicas in other threads would silently escape).
+            (whose result the replicas in other threads would silently escape); with several
+            inputs, under a tracer of the caller's operations (``torch.func.linearize``,
+            ``make_fx``, ``torch.jit.trace``, ``torch.export``), which they would escape too.
 
     Examples:
         >>> import torch, fdp
@@ -114,6 +116,12 @@ def parallel_apply(
                     f"{type(k).__name__}: {_tree.short_repr(k)}"
                 ) from None
         raise
+    if n > 1:
+        _pool.ensure_not_traced(
+            caller,
+            advice="Trace it with one input (which runs in the calling thread, where it is "
+            "traced), or trace inside the functions",
+        )
     tensors: list[list[torch.Tensor]] | None = None
     if any(d.type == "cuda" for d in resolved):
         tensors = [

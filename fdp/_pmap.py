@@ -389,6 +389,12 @@ class Pmapped(Generic[P, R]):
         outputs and the devices of the replicas that ran."""
         caller = self._caller
         _pool.ensure_not_in_replica(caller)  # before any copy to a device
+        if len(devices) > 1:  # (one device runs its replica in this thread, as a plain call)
+            _pool.ensure_not_traced(
+                caller,
+                advice="Trace it on one device (a single replica runs in the calling thread, "
+                "where it is traced), or trace inside the mapped function",
+            )
         try:
             scattered = _scatter.scatter_leaves(
                 leaves,
@@ -1047,7 +1053,9 @@ def pmap(
             (``fdp.pmap(f, (0, None))``, torch.vmap's habit); (at call time) a NumPy array (or
             another library's array) under an int axis (convert it with ``torch.as_tensor``),
             or an unhashable static argument.
-        RuntimeError: called inside a mapped function, or under a ``torch.func`` transform.
+        RuntimeError: called inside a mapped function, or under a ``torch.func`` transform;
+            on several devices, under a tracer of the caller's operations
+            (``torch.func.linearize``, ``make_fx``, ``torch.jit.trace``, ``torch.export``).
 
     Examples:
         A plain map: the batch is split over the devices and the results are concatenated.

@@ -422,6 +422,37 @@ def under_transform_error(caller: str, *, inside: str, example: str, outputs: st
     )
 
 
+def ensure_not_traced(caller: str, *, advice: str) -> None:
+    """Refuses a call whose replicas would run in other threads while a tracer records the
+    caller's operations: ``torch.jit.trace``, or ``make_fx`` (``torch.func.linearize``,
+    ``torch.export``'s non-strict tracing, AOT tracing), whose modes are thread-local.
+
+    The replicas on workers run untraced: the trace held their results as constants, which it
+    replayed whatever its inputs were (``linearize``'s tangents came back as the uninitialized
+    memory it traces with), or failed far from the call (a ``divmod`` of traced sizes, a fake
+    tensor among an exported program's constants). A single replica runs in the calling
+    thread, where the tracer sees it, so callers check only where several may run. Three C
+    calls, on the path of calls that run several replicas only.
+    """
+    C = torch._C  # noqa: N806
+    if C._is_tracing():
+        tracer = "torch.jit.trace"
+    elif (
+        C._get_dispatch_mode(C._TorchDispatchModeKey.PROXY) is not None
+        or C._dispatch_tls_is_dispatch_key_included(C.DispatchKey.PreDispatch)  # torch.export
+    ):
+        tracer = "make_fx tracing (torch.func.linearize, torch.export, make_fx)"
+    else:
+        return
+    raise RuntimeError(
+        f"{caller} was called under {tracer}, which records only the calling thread's "
+        "operations: the replicas run in other threads, so the trace would hold their results "
+        f"as constants and be silently wrong when run on other inputs. {advice}. For the "
+        "call's forward-mode derivatives (linearize's), use torch.autograd.forward_ad around "
+        "it, with dual inputs."
+    )
+
+
 class Timing:
     """How long replica 0 of one function's recent calls took (an exponential moving average).
 

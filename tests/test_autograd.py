@@ -327,6 +327,71 @@ def test_outer_torch_func_transform_is_refused() -> None:
         torch.func.vmap(lambda x: f(x))(torch.ones(3, 4))
 
 
+def _traced(tracer: str, f: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor) -> Callable[..., Any]:
+    """``f`` traced at ``w`` by ``tracer``: a function of new inputs (for linearize, of the
+    tangent) that replays the trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if tracer == "linearize":
+        return torch.func.linearize(f, w)[1]
+    if tracer == "make_fx":
+        return make_fx(f)(w)
+    if tracer == "jit.trace":
+        return torch.jit.trace(f, (w,))
+
+    class Wrapped(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return f(w)
+
+    return torch.export.export(Wrapped(), (w,), strict=False).module()
+
+
+# (torch.jit.trace is deprecated in torch 2.13 and warns of every size it sees used as a number,
+# forward mode loads decompositions by script, and make_fx warns of the tensors a function
+# closes over, which it keeps as constants.)
+@pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning",
+    "ignore::FutureWarning",
+    "ignore::torch.jit.TracerWarning",
+    "ignore:Attempted to insert a get_attr Node",
+)
+@pytest.mark.parametrize("tracer", ["linearize", "make_fx", "jit.trace", "export"])
+@pytest.mark.parametrize("call", ["pmap", "data_parallel", "parallel_apply"])
+def test_tracing_replicas_in_other_threads_is_refused(tracer: str, call: str) -> None:
+    # A tracer records the calling thread's ops alone: the trace held the other replicas'
+    # results as constants, and replayed them for any input (linearize's tangents were the
+    # uninitialized memory it traces with), or failed far from the call (a divmod of traced
+    # sizes, a fake tensor among an exported program's constants).
+    x = torch.randn(4, 3, dtype=torch.float64)
+    layer = nn.Linear(3, 1, bias=False).double().requires_grad_(False)  # (jit.trace: constants)
+
+    def f_on(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        if call == "pmap":
+            mapped = fdp.pmap(lambda w, x: torch.tanh(x @ w), in_axes=(None, 0), devices=cpus(n))
+            return lambda w: mapped(w, x)
+        if call == "data_parallel":
+            wrapper = fdp.DataParallel(layer, device_ids=cpus(n))
+            return lambda w: wrapper(x * w).squeeze(1)
+        return lambda w: torch.cat(
+            fdp.parallel_apply(lambda r: torch.tanh(r @ w), [x[:2], x[2:]][:n], devices=cpus(n))
+        )
+
+    def one_device(w: torch.Tensor) -> torch.Tensor:
+        return layer(x * w).squeeze(1) if call == "data_parallel" else torch.tanh(x @ w)
+
+    w, other = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    with pytest.raises(
+        RuntimeError, match=r"was called under .*(jit.trace|make_fx).*records only the calling thread"
+    ):
+        _traced(tracer, f_on(2), w)
+    if call == "parallel_apply":
+        return
+    # One replica runs in the calling thread, where it is traced.
+    replayed = _traced(tracer, f_on(1), w)(other)
+    expected = torch.func.jvp(one_device, (w,), (other,))[1] if tracer == "linearize" else one_device(other)
+    torch.testing.assert_close(replayed, expected)
+
+
 def test_grad_mode_off_gives_no_graph() -> None:
     w = torch.ones(3, requires_grad=True)
     with torch.no_grad():

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from helpers import cpus, opaque
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fdp
 
@@ -1299,6 +1300,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda a: pm(lambda v: fdp.psum(v, "i") if fdp.axis_index("i") == 0 else v, axis_name="i")(*a),
         RuntimeError,
         r"replica 1 returned without calling fdp.psum, which the other replicas are waiting in",
+    ),
+    (
+        "pmap, DataParallel or parallel_apply of several replicas under a tracer "
+        "(`torch.func.linearize`, `make_fx`, `torch.jit.trace`, `torch.export` non-strict)",
+        lambda: (torch.ones(3), torch.ones(4, 3)),
+        lambda a: make_fx(lambda w: pm(lambda x, w: x @ w, in_axes=(0, None))(a[1], w))(a[0]),
+        RuntimeError,
+        r"fdp.pmap\(.*\) was called under make_fx tracing \(torch.func.linearize, torch.export, "
+        r"make_fx\), which records only the calling thread's operations",
     ),
     (
         "`torch.autograd` through a collective inside the replica",

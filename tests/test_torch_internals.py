@@ -55,6 +55,11 @@ INTERNALS: dict[str, str] = {
     # _collectives, _batch_norm, _pmap, _parallel_apply: where a call runs.
     "torch._C._current_graph_task_id": "in a backward pass? (checkpoint recomputation errors)",
     "torch._C._functorch.peek_interpreter_stack": "under a torch.func transform? (refusals)",
+    "torch._C._is_tracing": "under torch.jit.trace? (several replicas refused)",
+    "torch._C._get_dispatch_mode": "make_fx's proxy mode in the caller? (several replicas refused)",
+    "torch._C._TorchDispatchModeKey.PROXY": "(its argument)",
+    "torch._C._dispatch_tls_is_dispatch_key_included": "pre-dispatch tracing (torch.export)?",
+    "torch._C.DispatchKey.PreDispatch": "(its argument)",
     "torch.autograd.forward_ad._current_level": "fdp.grad: a dual level open? (-1 when none)",
     "torch._C._nn.flatten_dense_tensors": "a collective's leaves packed into one buffer",
     "torch._C._nn.unflatten_dense_tensors": "and unpacked as views of it",
@@ -218,6 +223,40 @@ def test_the_interpreter_stack_tells_a_torch_func_transform() -> None:
     torch.func.grad(f)(torch.ones(2))
     torch.func.vmap(f)(torch.ones(2, 2))
     assert inside == [True, True]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.trace, in torch 2.13)
+def test_tracers_of_the_callers_operations_are_seen() -> None:
+    # fdp.pmap refuses several replicas under them (the replicas in other threads would be
+    # traced as constants, silently): a tracer these no longer see would be let through.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fdp import _pool
+
+    seen: list[str] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        try:
+            _pool.ensure_not_traced("f", advice="")
+            seen.append("none")
+        except RuntimeError as error:
+            seen.append(str(error).split(",")[0])
+        return x * 2
+
+    class Wrapped(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return f(x)
+
+    x = torch.ones(2)
+    f(x)
+    make_fx(f)(x)
+    make_fx(f, pre_dispatch=True)(x)
+    torch.jit.trace(f, (x,))
+    torch.export.export(Wrapped(), (x,), strict=False)
+    assert seen[0] == "none" and len(seen) >= 5
+    assert all(s.startswith("f was called under make_fx") for s in seen[1:3]), seen
+    assert seen[3].startswith("f was called under torch.jit.trace"), seen
+    assert seen[-1].startswith("f was called under make_fx"), seen
 
 
 def test_mode_stacks_are_counted() -> None:
