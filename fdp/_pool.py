@@ -333,9 +333,29 @@ def _clear_old_notes(error: BaseException) -> None:
             notes[:] = [n for n in notes if not (isinstance(n, str) and n.startswith("fdp."))]
 
 
+# torch keeps forward-mode AD's levels per process, not per thread: replicas that run
+# torch.func.jvp, jacfwd or hessian at once use each other's levels, and torch's errors about
+# them read as a misuse in the replica's own code (which runs fine on one device).
+_FORWARD_AD_IN_REPLICAS = (
+    "forward-mode AD (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad) inside "
+    "replicas that run at once is unsafe: torch keeps its levels per process, not per thread, "
+    "so the replicas corrupt each other's, and calls that raise nothing can return wrong "
+    "tangents. Use reverse mode inside the mapped function (vjp, jacrev; jacrev(jacrev(f)) for a "
+    "Hessian), or torch.autograd.forward_ad around the whole pmapped call"
+)
+
 # Notes for torch errors whose message misleads in a replica: (exception type, a phrase of
 # torch's message, whether only a call of several replicas gets the note, the note).
 _NOTES_ON_TORCH_ERRORS: tuple[tuple[type[BaseException], str, bool, str], ...] = (
+    (
+        RuntimeError,
+        "Trying to access a forward AD level with an invalid index",
+        True,
+        _FORWARD_AD_IN_REPLICAS,
+    ),
+    (RuntimeError, "Nested forward mode AD is not supported", True, _FORWARD_AD_IN_REPLICAS),
+    (RuntimeError, "Exiting a forward AD level that is not the last", True, _FORWARD_AD_IN_REPLICAS),
+    (RuntimeError, "Entering a new forward AD level but the current level", True, _FORWARD_AD_IN_REPLICAS),
     (
         # torch's message names SplitWithSizes, which the user never called.
         RuntimeError,

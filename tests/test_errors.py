@@ -417,6 +417,46 @@ def test_a_batch_norm_given_one_row_per_replica_says_why() -> None:
     )
 
 
+# (Forward mode loads torch's decompositions once, by torch.jit.script, which warns.)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_forward_mode_ad_in_replicas_running_at_once_says_why() -> None:
+    # torch keeps forward-mode AD's levels per process: replicas that each enter one collide,
+    # and torch's message reads as a misuse of nesting in code that runs fine on one device.
+    import torch.autograd.forward_ad as fwad
+
+    def tangent(x: torch.Tensor) -> torch.Tensor:
+        with fwad.dual_level():
+            dual = fwad.make_dual(x, torch.ones_like(x))
+            scale = fdp.psum(x.sum(), "i")  # replica 0 waits here, inside its level
+            return fwad.unpack_dual(dual.sin() * scale).tangent
+
+    with pytest.raises(RuntimeError, match="Nested forward mode AD is not supported") as caught:
+        fdp.pmap(tangent, axis_name="i", devices=cpus(2))(torch.randn(4))
+    assert any("forward-mode AD" in n and "per process, not per thread" in n for n in caught.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # what torch.func.jvp and hessian raise most often, at random, in replicas run at once
+        "Trying to access a forward AD level with an invalid index. This index was either not "
+        "created or is already deleted.",
+        "Exiting a forward AD level that is not the last that was created is not support.",
+        "Entering a new forward AD level but the current level is not valid. Make sure you did "
+        "not modified it directly.",
+    ],
+)
+def test_forward_mode_ad_errors_of_torch_get_the_note_on_several_replicas_only(message: str) -> None:
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(message)
+
+    for n, noted in ((2, True), (1, False)):
+        with pytest.raises(RuntimeError, match="forward AD level") as caught:
+            fdp.pmap(fails, devices=cpus(n))(torch.randn(4))
+        notes = getattr(caught.value, "__notes__", [])
+        assert any("per process, not per thread" in note for note in notes) is noted
+
+
 def test_an_embedding_bag_given_1d_input_and_offsets_split_by_rows_says_why() -> None:
     # Split, each shard's offsets point into the whole input: torch's message reads as a
     # mistake in the offsets given, which are right for the whole batch.
