@@ -172,13 +172,21 @@ class CallGroup:
                 # One collective with different options (ppermute's perm, pmean's weight): the
                 # options say which, where the names alone would read as the same call twice.
                 options = _describe(round_.what) == _describe(what)
+                # One in a backward where the other has gone on to a forward collective (a
+                # psum of its gradients): that one's backward never reached the collective.
+                skipped = [r for r, w in ((first, round_.what), (index, what)) if not _is_backward(w)]
+                why = (
+                    _skipped_backward(skipped[0])
+                    if len(skipped) == 1 and (_is_backward(round_.what) or _is_backward(what))
+                    else ""
+                )
                 round_.error = (
                     ValueError,
                     f"the replicas called different collectives at the same point: "
                     f"{_describe(round_.what, options)} (replica {first}) and "
                     f"{_describe(what, options)} (replica {index}). Every "
                     "replica must call the same collectives, with the same options, in the same "
-                    "order (and differentiate through them in the same order).",
+                    f"order (and differentiate through them in the same order).{why}",
                     None,
                 )
                 self._notify()
@@ -231,12 +239,19 @@ class CallGroup:
                 if self.finished[j] and round_.payloads[j] is _PENDING and self.failed is None
             ]
             if gone:
+                what = round_.what
+                why = (
+                    _skipped_backward(gone[0])
+                    if _is_backward(what)
+                    else (
+                        " Every replica must call the same collectives in the same order (no "
+                        "collective behind a condition that differs between replicas)."
+                    )
+                )
                 round_.error = (
                     RuntimeError,
-                    f"replica {gone[0]} returned without calling {_describe(round_.what)}, which "
-                    f"the other replicas are waiting in. Every replica must call the same "
-                    "collectives in the same order (no collective behind a condition that differs "
-                    "between replicas).",
+                    f"replica {gone[0]} returned without calling {_describe(what)}, which the "
+                    f"other replicas are waiting in.{why}",
                     None,
                 )
                 self._notify()
@@ -263,6 +278,24 @@ def _fresh(kind: type[BaseException], message: str, cause: BaseException | None)
         return cause
     error.__cause__ = cause
     return error
+
+
+def _is_backward(what: Hashable) -> bool:
+    """Whether a collective's key is a backward's (it ends with the forward exchange's number)."""
+    return isinstance(what, tuple) and bool(what) and isinstance(what[-1], int)
+
+
+def _skipped_backward(replica: int) -> str:
+    """Why replica ``replica`` did not run the backward of a collective that it called in the
+    forward pass, which the others wait in (a sentence, led by a space)."""
+    return (
+        f" Replica {replica} called the forward collective, but there that collective lies on no "
+        "path from the differentiated arguments to the differentiated value (what it passed "
+        "does not depend on them, or the value does not depend on its result: a loss replaced "
+        "by a constant behind a condition that differs between replicas, say), so its backward "
+        "never runs there. Compute the value alike on every replica (multiply by a mask of 0 "
+        "rather than replace it by a constant)."
+    )
 
 
 def _describe(what: Hashable, options: bool = False) -> str:

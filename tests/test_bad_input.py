@@ -1302,6 +1302,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"replica 1 returned without calling fdp.psum, which the other replicas are waiting in",
     ),
     (
+        "a replica whose differentiated value does not depend on a collective (under `fdp.grad` or "
+        "`torch.func` inside the replicas), whose backward the others wait in",
+        lambda: (torch.ones(3), torch.ones(4, 3)),
+        lambda a: pm(fdp.grad(constant_on_replica_1), in_axes=(None, 0), axis_name="i")(*a),
+        RuntimeError,
+        r"replica 1 returned without calling fdp.psum \(the backward of collective #0\), which the other "
+        r"replicas are waiting in. Replica 1 called the forward collective, but there that collective",
+    ),
+    (
         "pmap, DataParallel or parallel_apply of several replicas under a tracer "
         "(`torch.func.linearize`, `make_fx`, `torch.jit.trace`, `torch.export` non-strict)",
         lambda: (torch.ones(3), torch.ones(4, 3)),
@@ -1482,6 +1491,11 @@ TESTED_APART = {
         "tests/test_distributed.py",
     ),
 }
+
+
+def constant_on_replica_1(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A loss that replica 1 replaces by a constant: its backward never reaches the psum."""
+    return fdp.psum((x @ w).sum() if fdp.axis_index("i") == 0 else x.new_zeros(()), "i")
 
 
 def snapshot(tree: Any) -> list[Any]:

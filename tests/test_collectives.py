@@ -1085,6 +1085,34 @@ def test_a_replica_that_skips_a_collective() -> None:
         finishes(lambda: per_row(f)(rows()))
 
 
+@pytest.mark.parametrize("then", ["returns", "sums its gradients"])
+@pytest.mark.parametrize("grad", [fdp.grad, torch.func.grad], ids=["fdp.grad", "torch.func.grad"])
+def test_a_replica_whose_backward_skips_a_collective_is_told_why(grad: Any, then: str) -> None:
+    # Every replica called the forward psum, but replica 1's loss is a constant there: its
+    # backward never reaches the psum. The messages said to call the same collectives (which
+    # every replica did) and to put none behind a condition.
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        local = (x @ w).square().sum() if fdp.axis_index("i") == 0 else x.new_zeros(())
+        return fdp.psum(local, "i")
+
+    def step(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        grads = grad(loss)(w, x)
+        return grads if then == "returns" else fdp.psum(grads, "i")
+
+    mapped = fdp.pmap(step, axis_name="i", devices=cpus(2), in_axes=(None, 0))
+    error, seen = (
+        (RuntimeError, "replica 1 returned without calling fdp.psum \\(the backward of collective #0\\)")
+        if then == "returns"
+        else (ValueError, "the replicas called different collectives at the same point")
+    )
+    with pytest.raises(
+        error,
+        match=seen + r".* Replica 1 called the forward collective, but there that collective lies "
+        r"on no path from the differentiated arguments to the differentiated value",
+    ):
+        finishes(lambda: mapped(torch.ones(3), torch.randn(4, 3)))
+
+
 def test_replicas_calling_different_collectives() -> None:
     def f(x):
         return fdp.psum(x, "i") if fdp.axis_index("i") == 0 else fdp.pmax(x, "i")
