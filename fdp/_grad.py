@@ -77,6 +77,9 @@ def grad(
     ``torch.func.grad`` too, whose gradients, value and ``aux`` that autograd differentiates.
     It is ``torch.func.grad`` as well under ``torch.inference_mode`` and where an argument is
     an inference tensor, which autograd records nothing for or cannot save for backward.
+    What ``torch.func.grad`` does not support yet (activation checkpointing, a module's full
+    backward hooks) then fails with its error, with a note saying why ``fdp.grad`` ran as
+    ``torch.func.grad`` and how to have it take the gradients by autograd.
     Otherwise the gradients are not differentiable further (as ``torch.autograd.grad``'s
     without ``create_graph``), and tensors that ``fn`` reaches other than through its
     arguments (the parameters of a module it calls directly) are constants: an outer
@@ -160,17 +163,27 @@ def _transform(
         where, flat = _differentiated(argnums, positions, args, name)
         # is_compiling first: dynamo then traces torch.func.grad (on fdp's leaves), and none of
         # the tests below.
-        if torch.compiler.is_compiling():
-            trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
-        elif (
-            torch._C._functorch.peek_interpreter_stack() is not None
+        if (
+            torch.compiler.is_compiling()
+            or torch._C._functorch.peek_interpreter_stack() is not None
             or differentiating()
-            or _beyond_autograd(args, kwargs, where, flat)
         ):
-            # Out of inference mode: there torch 2.11's torch.func.grad records nothing either,
-            # and its gradients come back as zeros (2.13's are taken).
-            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING:
-                trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
+            trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
+        elif _beyond_autograd(args, kwargs, where, flat):
+            try:
+                # Out of inference mode: there torch 2.11's torch.func.grad records nothing
+                # either, and its gradients come back as zeros (2.13's are taken).
+                with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING:
+                    trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
+            except Exception as error:
+                # What torch.func does not support yet (activation checkpointing's saved-tensor
+                # hooks, a module's full backward hooks) fails here with torch.func's words,
+                # where the caller asked for fdp.grad and the same call by autograd works.
+                text = str(error)
+                if "torch.func" in text or "functorch" in text:
+                    with contextlib.suppress(Exception):  # an exception type that refuses notes
+                        error.add_note(_why_by_func(args, kwargs, where, flat, name))
+                raise
         else:
             trees, value = _by_autograd(fn, has_aux, args, kwargs, name, where, flat)
         grads = trees if isinstance(argnums, tuple) else trees[0]
@@ -207,6 +220,52 @@ def _beyond_autograd(
     return any(
         isinstance(leaf, torch.Tensor) and ((outside and leaf.requires_grad) or leaf.is_inference())
         for leaf in chain(others, *(leaves for leaves, _ in flat))
+    )
+
+
+def _why_by_func(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    positions: tuple[int, ...],
+    flat: list[tuple[list[Any], Any]],
+    name: str,
+) -> str:
+    """Why ``name`` ran as torch.func.grad (see :func:`_beyond_autograd`), and how to have it
+    take its gradients by autograd: a note on a failure of torch.func's."""
+    ran = f"{name} ran as torch.func.grad here, as"
+    by_autograd = (
+        "to have the gradients taken by torch.autograd.grad, which needs none of torch.func's "
+        "support (they are then not differentiable further)"
+    )
+    if torch.autograd.forward_ad._current_level >= 0:
+        return (
+            f"{ran} a forward-mode dual level is open (torch.autograd.forward_ad), whose "
+            f"tangents it follows: call it outside the level {by_autograd}"
+        )
+    if torch.is_inference_mode_enabled():
+        return (
+            f"{ran} it was called under torch.inference_mode, where autograd records nothing: "
+            f"call it outside inference mode {by_autograd}"
+        )
+    paths: list[tuple[str, Any]] = []
+    for k, (leaves, _) in zip(positions, flat):
+        paths.extend(zip(_tree.flatten_with_paths(args[k], f"args[{k}]")[0], leaves))
+    for k, arg in enumerate(args):
+        if k not in positions:
+            paths.extend(zip(*_tree.flatten_with_paths(arg, f"args[{k}]")[:2]))
+    paths.extend(zip(*_tree.flatten_with_paths(kwargs, "kwargs")[:2]))
+    tensors = [(path, leaf) for path, leaf in paths if isinstance(leaf, torch.Tensor)]
+    inference = next((path for path, leaf in tensors if leaf.is_inference()), None)
+    if inference is not None:
+        return (
+            f"{ran} {inference} is an inference tensor (made under torch.inference_mode), which "
+            f"autograd cannot save for backward: pass a clone made outside inference mode {by_autograd}"
+        )
+    grad = next((path for path, leaf in tensors if leaf.requires_grad), "an argument")
+    return (
+        f"{ran} {grad} requires grad under grad mode (an autograd outside the call could "
+        "differentiate through the gradients): pass the arguments detached ({k: v.detach() for "
+        f"k, v in params.items()}}), or call it under torch.no_grad(), {by_autograd}"
     )
 
 

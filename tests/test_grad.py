@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -261,6 +262,55 @@ def test_an_outer_backward_through_the_gradients_sees_what_it_sees_through_torch
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     with torch.no_grad():
         assert fdp.grad(f)(w, torch.ones(2)).tolist() == torch.func.grad(f)(w, torch.ones(2)).tolist()
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = nn.Linear(3, 3), nn.Linear(3, 1)
+        self.out.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.out(checkpoint(lambda h: torch.tanh(self.inner(h)), x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("why", ["requires grad", "inference mode", "dual level"])
+def test_where_torch_func_grad_cannot_run_the_function_the_error_says_why_it_ran(why: str) -> None:
+    # Activation checkpointing and full backward hooks, which torch.func.grad does not support
+    # yet: by autograd fdp.grad takes them, but as torch.func.grad (parameters passed as they
+    # are, requiring grad) it failed in torch.func's words, which named no fdp.grad.
+    model, x = _Checkpointed(), torch.randn(4, 3)
+
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fdp.functional_call(model, params, (x,)).square().sum()
+
+    detached = {k: v.detach() for k, v in model.named_parameters()}
+    expected = fdp.grad(loss)(detached, x)  # by autograd
+    torch.testing.assert_close(
+        expected["inner.bias"],
+        torch.autograd.grad(loss(dict(model.named_parameters()), x), model.inner.bias)[0],
+    )
+    with pytest.raises(RuntimeError, match="torch.func") as caught:
+        if why == "requires grad":
+            fdp.grad(loss)(dict(model.named_parameters()), x)
+        elif why == "inference mode":
+            with torch.inference_mode():
+                fdp.grad(loss)(detached, x)
+        else:
+            with torch.autograd.forward_ad.dual_level():
+                fdp.grad(loss)(detached, x)
+    note = {
+        "requires grad": r"fdp.grad ran as torch.func.grad here, as args\[0\]\['\S+'\] requires grad "
+        r"under grad mode .*: pass the arguments detached .*, or call it under torch.no_grad\(\), to "
+        r"have the gradients taken by torch.autograd.grad",
+        "inference mode": r"fdp.grad ran as torch.func.grad here, as it was called under "
+        r"torch.inference_mode, .*: call it outside inference mode to have the gradients taken by",
+        "dual level": r"fdp.grad ran as torch.func.grad here, as a forward-mode dual level is open "
+        r".*: call it outside the level to have the gradients taken by",
+    }[why]
+    assert any(re.fullmatch(note + ".*", n) for n in caught.value.__notes__), caught.value.__notes__
 
 
 # (Forward mode loads torch's decompositions once, by torch.jit.script, which warns.)
