@@ -163,17 +163,14 @@ def _transform(
         where, flat = _differentiated(argnums, positions, args, name)
         # is_compiling first: dynamo then traces torch.func.grad (on fdp's leaves), and none of
         # the tests below.
-        if (
-            torch.compiler.is_compiling()
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or differentiating()
-        ):
+        if torch.compiler.is_compiling():
             trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
+        elif torch._C._functorch.peek_interpreter_stack() is not None or differentiating():
+            with _out_of_inference_mode():
+                trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
         elif _beyond_autograd(args, kwargs, where, flat):
             try:
-                # Out of inference mode: there torch 2.11's torch.func.grad records nothing
-                # either, and its gradients come back as zeros (2.13's are taken).
-                with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING:
+                with _out_of_inference_mode():
                     trees, value = _by_func(fn, has_aux, args, kwargs, name, where, flat)
             except Exception as error:
                 # What torch.func does not support yet (activation checkpointing's saved-tensor
@@ -221,6 +218,12 @@ def _beyond_autograd(
         isinstance(leaf, torch.Tensor) and ((outside and leaf.requires_grad) or leaf.is_inference())
         for leaf in chain(others, *(leaves for leaves, _ in flat))
     )
+
+
+def _out_of_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Out of inference mode, for torch.func.grad: there torch 2.11's records nothing either,
+    and its gradients come back as zeros (2.13's are taken)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
 
 
 def _why_by_func(
