@@ -83,7 +83,21 @@ INTERNALS: dict[str, str] = {
     # _optim: the transforms' arithmetic, over all leaves at once.
     **{
         f"torch._foreach_{op}": "fdp.optim's updates"
-        for op in ("add", "add_", "sub", "mul", "div", "div_", "sqrt", "lerp", "addcmul_", "addcdiv", "norm")
+        for op in (
+            "add",
+            "add_",
+            "sub",
+            "mul",
+            "div",
+            "div_",
+            "sqrt",
+            "lerp",
+            "addcmul_",
+            "addcdiv",
+            "norm",
+            "neg",
+            "maximum",
+        )
     },
     # _tree: optree's registry (not public), for node types registered in other namespaces.
     "optree.registry._NODETYPE_REGISTRY": "types registered in other namespaces are adopted",
