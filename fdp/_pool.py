@@ -407,14 +407,22 @@ def _primary_error(
     for kind, phrase, several, note in _NOTES_ON_TORCH_ERRORS:
         if isinstance(error, kind) and phrase in text and (len(errors) > 1 or not several):
             _note(error, caller, note)
+    # The other failures, one note per distinct error: on 8 replicas that each raise the same
+    # error (a model bug every shard meets), one line, not seven copies of the message.
+    described: dict[str, list[int]] = {}
     for i, other in failed:
         if other is not error:
-            _note(
-                error,
-                caller,
-                f"replica {i} (device {devices[i]}) also failed: "
-                f"{type(other).__name__}: {_replica.error_text(other)}",
-            )
+            described.setdefault(f"{type(other).__name__}: {_replica.error_text(other)}", []).append(i)
+    primary = f"{type(error).__name__}: {text}"
+    for description, indices in described.items():
+        on = sorted({str(devices[i]) for i in indices}, key=[str(d) for d in devices].index)
+        who = (
+            f"replica {indices[0]}"
+            if len(indices) == 1
+            else f"replicas {', '.join(map(str, indices[:-1]))} and {indices[-1]}"
+        )
+        what = f" with the same {type(error).__name__}" if description == primary else f": {description}"
+        _note(error, caller, f"{who} (device{'s' if len(on) > 1 else ''} {', '.join(on)}) also failed{what}")
     return error
 
 

@@ -346,6 +346,22 @@ def test_other_replicas_failures_are_reported_too() -> None:
     assert "replica 2 (device cpu) also failed: ValueError: bad shard starting at 4" in notes
 
 
+def test_replicas_that_fail_alike_get_one_note() -> None:
+    # A model bug that every shard meets: one line for the others, not a copy of the message each.
+    def f(x):
+        if int(x[0]) == 6:
+            raise KeyError("other")
+        raise ValueError("the same message")
+
+    with pytest.raises(ValueError, match="the same message") as info:
+        fdp.pmap(f, devices=cpus(4))(torch.arange(8.0))
+    assert [note.partition("): ")[2] for note in info.value.__notes__] == [
+        "raised by replica 0 of 4 (device cpu)",
+        "replicas 1 and 2 (device cpu) also failed with the same ValueError",
+        "replica 3 (device cpu) also failed: KeyError: 'other'",
+    ]
+
+
 def test_pool_is_usable_after_a_failure(devices: list[str]) -> None:
     calls = {"n": 0}
 
