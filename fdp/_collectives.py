@@ -494,12 +494,20 @@ def _numpy_scalar_tensor(leaf: Any, device: torch.device, numbers: str) -> torch
     Python's, in floats of the default dtype; ``psum`` counts booleans as ``int64``."""
     if numbers == "float" and leaf.dtype.kind in "biu":
         return torch.tensor(float(leaf), device=device)
-    tensor = torch.as_tensor(leaf, device=device)
+    try:
+        tensor = torch.as_tensor(leaf, device=device)
+    except TypeError:
+        # np.uint64 and np.longdouble, of which torch makes no tensor ("an integer is
+        # required", "can't convert np.ndarray of type numpy.longdouble"): as the nearest dtype
+        # it has, int64 (as their Python int was taken) and float64.
+        if leaf.dtype.kind == "f":
+            return torch.tensor(float(leaf), dtype=torch.float64, device=device)
+        return torch.as_tensor(int(leaf), device=device)
     if numbers == "count" and tensor.dtype == torch.bool:
         return tensor.to(torch.int64)
     if numbers != "as_is" and not _combinable(tensor.device, tensor.dtype, numbers):
-        # np.uint16, np.uint32, np.uint64: torch adds and orders none of them on the CPU. As
-        # their Python int (int64), rather than refused as a tensor of theirs would be.
+        # np.uint16, np.uint32: torch adds and orders neither on the CPU. As their Python int
+        # (int64), rather than refused as a tensor of theirs would be.
         return torch.as_tensor(leaf.item(), device=device)
     return tensor
 

@@ -308,6 +308,32 @@ def test_numpy_scalars_keep_their_dtype() -> None:
     assert {k: v.tolist() for k, v in gathered.items()} == {k: [v.item()] * 2 for k, v in numbers.items()}
 
 
+def test_numpy_scalars_torch_has_no_tensor_of_are_taken_as_the_nearest_dtype() -> None:
+    # torch.as_tensor refuses np.uint64 ("an integer is required") and np.longdouble: taken as
+    # Python numbers, they ran (np.uint64 as int64; np.longdouble in pmean), and keeping the
+    # NumPy dtype must not make them fail with torch's words, naming neither call nor leaf.
+    numpy = pytest.importorskip("numpy")
+    numbers = {"u64": numpy.uint64(3), "long": numpy.longdouble(1.5)}
+
+    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
+    def combined(x: torch.Tensor) -> Any:
+        return (
+            fdp.psum(numbers, "i"),
+            fdp.pmean(numbers, "i"),
+            fdp.pmax(numbers, "i"),
+            fdp.all_gather(numbers, "i"),
+        )
+
+    sums, means, maxima, gathered = combined(torch.zeros(2))
+    nearest = {"u64": torch.int64, "long": torch.float64}
+    for tree in (sums, maxima, gathered):
+        assert {k: v.dtype for k, v in tree.items()} == nearest
+    assert {k: v.dtype for k, v in means.items()} == {"u64": torch.get_default_dtype(), "long": torch.float64}
+    assert {k: v.tolist() for k, v in sums.items()} == {"u64": 6, "long": 3.0}
+    assert {k: v.tolist() for k, v in means.items()} == {"u64": 3.0, "long": 1.5}
+    assert {k: v.tolist() for k, v in gathered.items()} == {"u64": [3, 3], "long": [1.5, 1.5]}
+
+
 def test_psum_of_numbers_counts_replicas() -> None:
     out = fdp.pmap(lambda x: fdp.psum(1, "i") + x * 0, axis_name="i", devices=cpus(8))(torch.zeros(10))
     assert out.tolist() == [5.0] * 10  # 10 rows over 8 devices: 5 replicas
