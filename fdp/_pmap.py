@@ -589,13 +589,14 @@ class Pmapped(Generic[P, R]):
             )
         static = {i + len(args) if i < 0 else i for i in self.static_argnums}
         if static and isinstance(spec, tuple) and len(spec) == len(args) - len(static):
-            # One entry per argument but the static ones: as in jax.pmap, they have entries too.
+            # One entry per argument but the static ones: as in jax.pmap, those before a mapped
+            # one have entries too (those after the last may go without: see _make_plan).
             entries = iter(spec)
             full = tuple(_axes.BROADCAST if k in static else next(entries) for k in range(len(args)))
             return (
-                "in_axes has an entry for every positional argument, the static ones included "
-                f"(static_argnums={self.static_argnums!r}; their entries are not used), as in "
-                f"jax.pmap: in_axes={full!r}"
+                "in_axes has an entry for every positional argument up to the last mapped one, the "
+                f"static ones among them included (static_argnums={self.static_argnums!r}; their "
+                f"entries are not used), as in jax.pmap: in_axes={full!r}"
             )
         if len(args) == 1 and not isinstance(spec, int) and spec is not _axes.BROADCAST:
             # One argument's specification, not wrapped in the tuple of the positional

@@ -271,15 +271,15 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
     ),
     (
         # jax.pmap's issue #6302: static arguments have in_axes entries too
-        "in_axes without entries for the static arguments",
+        "in_axes without entries for the static arguments before a mapped one",
         lambda: (torch.zeros(4), torch.zeros(()), torch.zeros(4)),
         lambda a: pm(lambda x, w, k, y: x * w * k + y, static_argnums=2, in_axes=(0, None, 0))(
             a[0], a[1], 3, a[2]
         ),
         ValueError,
-        r"(?s)\(4 given\).*in_axes has an entry for every positional argument, the static ones included "
-        r"\(static_argnums=\(2,\); their entries are not used\), as in jax.pmap: "
-        r"in_axes=\(0, None, None, 0\)$",
+        r"(?s)\(4 given\).*in_axes has an entry for every positional argument up to the last mapped "
+        r"one, the static ones among them included \(static_argnums=\(2,\); their entries are not "
+        r"used\), as in jax.pmap: in_axes=\(0, None, None, 0\)$",
     ),
     (
         # jax.pmap's issue #26950: a specification for the one argument, not the tuple of them
