@@ -44,6 +44,10 @@ def _as_list_spelling(text: str) -> str | None:
         counted.append((name, int(count) if star else 1))
     if len(counted) == 1:
         return f"[{counted[0][0]!r}] * {counted[0][1]}"
+    if sum(count for _, count in counted) > 8:
+        # Written out, 'cpu*64,cuda:0' would be a list too long to read ('cpu*10**11,cpu' one
+        # too long to build: the error would never come).
+        return " + ".join(f"[{name!r}] * {count}" if count > 1 else f"[{name!r}]" for name, count in counted)
     return repr([name for name, count in counted for _ in range(count)])
 
 

@@ -295,6 +295,8 @@ def test_device_spellings() -> None:
             r"; write \['cpu', 'cpu', 'cuda:1'\] for the devices that 'cpu\*2,cuda:1'",
         ),
         ("cpu,cpu", TypeError, r"; write \['cpu', 'cpu'\] for the devices that 'cpu,cpu' names"),
+        # Many, as a sum of lists: written out, 'cpu*10**11,cpu' was a list the error never built.
+        ("cpu*16,cuda:1", TypeError, r"; write \['cpu'\] \* 16 \+ \['cuda:1'\] for the devices that"),
         (
             "gpu,gpu",
             TypeError,
