@@ -1050,10 +1050,12 @@ def pmap(
             arguments/output, a static argument is not given positionally, devices are
             unavailable, or replicas return different structures or non-tensor values.
         TypeError: ``fn`` is not callable (an axis name or an option passed in its place), or
-            ``axis_name`` is unhashable or reads as an ``in_axes`` specification
-            (``fdp.pmap(f, (0, None))``, torch.vmap's habit); (at call time) a NumPy array (or
-            another library's array) under an int axis (convert it with ``torch.as_tensor``),
-            or an unhashable static argument.
+            is a generator or coroutine function; ``axis_name`` is unhashable or reads as an
+            ``in_axes`` specification (``fdp.pmap(f, (0, None))``, torch.vmap's habit); an
+            option is another library's (``static_broadcasted_argnums``, ``in_dims``,
+            ``device_ids``, ...); (at call time) a NumPy array (or another library's array)
+            under an int axis (convert it with ``torch.as_tensor``), an unhashable static
+            argument, or a replica returns a generator, a coroutine or a lazy ``map``/``filter``.
         RuntimeError: called inside a mapped function, or under a ``torch.func`` transform;
             on several devices, under a tracer of the caller's operations
             (``torch.func.linearize``, ``make_fx``, ``torch.jit.trace``, ``torch.export``).
