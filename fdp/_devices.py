@@ -106,7 +106,8 @@ def check_available(device: torch.device, *, what: str, replica: bool = False) -
         # build of torch: say how to run the same replicas on the CPU.
         why = (
             f"this torch, {torch.__version__}, is built without CUDA"
-            if torch.version.cuda is None
+            # (A ROCm build has no CUDA version, but runs its AMD GPUs as torch.cuda's devices.)
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None
             else "no GPU or driver found"
         )
         instead = (

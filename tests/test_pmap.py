@@ -331,7 +331,7 @@ def test_cuda_device_without_cuda_fails_at_first_call(device: Any) -> None:
     assert str(info.value).endswith(
         "to run the replicas on the CPU, name it once per replica: ['cpu', 'cpu'] runs two"
     ), str(info.value)
-    if torch.version.cuda is None:
+    if torch.version.cuda is None and torch.version.hip is None:
         assert f"(this torch, {torch.__version__}, is built without CUDA)" in str(info.value)
     with pytest.raises(ValueError, match=r"device_ids\[0\] is 'cuda:0', but CUDA .*: to run the replicas on"):
         fdp.DataParallel(torch.nn.Linear(2, 2), device_ids=[0, 1])
@@ -339,6 +339,16 @@ def test_cuda_device_without_cuda_fails_at_first_call(device: Any) -> None:
         ValueError, match=r"output_device is 'cuda:0', but CUDA .*: name the CPU, 'cpu', instead$"
     ):
         fdp.pmap(lambda x: x, devices=["cpu"], output_device=0)(torch.zeros(2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_missing_from_a_rocm_build_is_a_missing_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ROCm build has no CUDA version, but runs its AMD GPUs as torch.cuda's devices: without
+    # one, the GPU is missing, not the build's support ("built without CUDA" was said).
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    with pytest.raises(ValueError, match=r"CUDA is not available on this machine \(no GPU or driver found\)"):
+        fdp.pmap(lambda x: x, devices=["cpu", 0])(torch.zeros(2))
 
 
 def test_output_device_cpu_and_bad_output_device() -> None:
