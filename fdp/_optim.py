@@ -425,6 +425,18 @@ def _refuse_grads_unlike_params(
     raise ValueError(f"{where} got params {params_spec} but grads {spec}")
 
 
+# The state's trees that an optimizer keeps only with an option (None without it): the option,
+# and how to go on from a state kept without it.
+_KEPT_WITH = {
+    "momentum": ("momentum", ""),
+    "max_exp_avg_sq": (
+        "amsgrad=True",
+        " (to go on from a state kept without it, seed the largest second moments with the "
+        "second moments: state._replace(max_exp_avg_sq=state.exp_avg_sq))",
+    ),
+}
+
+
 def _verify(
     name: str,
     call: str,
@@ -450,6 +462,16 @@ def _verify(
         _refuse_grads_unlike_params(f"fdp.optim.{name}: {call}", grads, params, spec, params_spec)
     for field, own in zip(fields, specs):
         mismatch = _differing(spec, own)
+        if mismatch is not None and getattr(state, field) is None and field in _KEPT_WITH:
+            # A state made without the option (an old checkpoint, resumed with amsgrad turned
+            # on): "the state must come from init(params) for params of the grads' structure"
+            # would send the caller looking at the parameters.
+            option, advice = _KEPT_WITH[field]
+            raise ValueError(
+                f"fdp.optim.{name}: {call} got a state whose {field} is None, as init makes it "
+                f"without {option}, which this optimizer has: its state must come from its own "
+                f"init(params){advice}"
+            )
         if mismatch is not None:
             raise ValueError(
                 f"fdp.optim.{name}: {call} got grads {mismatch[0]} but a state whose {field} is "

@@ -638,15 +638,29 @@ def test_adam_with_amsgrad_refuses_a_state_without_its_largest_moments() -> None
     params = {"w": torch.ones(2)}
     state = optim.adam().init(params)  # max_exp_avg_sq None
     opt = optim.adam(amsgrad=True)
-    with pytest.raises(ValueError, match="state whose max_exp_avg_sq is PyTreeSpec\\(None"):
+    # (An old checkpoint resumed with amsgrad on: the state's structure was said to be unlike
+    # the grads', as if the parameters were at fault.)
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.optim\.adam: apply_gradients got a state whose max_exp_avg_sq is None, as init "
+        r"makes it without amsgrad=True, which this optimizer has: its state must come from its own "
+        r"init\(params\) \(to go on from a state kept without it, seed the largest second moments with "
+        r"the second moments: state\._replace\(max_exp_avg_sq=state\.exp_avg_sq\)\)$",
+    ):
         opt.apply_gradients(params, state._replace(step=1), params)
+    resumed = state._replace(max_exp_avg_sq=state.exp_avg_sq)  # as the message says
+    opt.apply_gradients(params, resumed, params)
 
 
 def test_sgd_with_momentum_refuses_a_state_without_momentum() -> None:
     params = {"w": torch.ones(2)}
     state = optim.sgd(0.1).init(params)  # momentum None
     opt = optim.sgd(0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="state whose momentum is PyTreeSpec\\(None"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.optim\.sgd: apply_gradients got a state whose momentum is None, as init makes "
+        r"it without momentum, which this optimizer has: its state must come from its own init\(params\)$",
+    ):
         opt.apply_gradients(params, state._replace(step=1), params)
 
 
