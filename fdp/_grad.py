@@ -398,12 +398,17 @@ def _by_func(
     trees, it differentiates the arguments and returns the ``aux`` that the autograd path does.
     (``positions``, ``flat``: as for :func:`_by_autograd`.)
     """
+    # Compiled, a graph break inside fn (fdp.rng_scope, a collective) makes dynamo run
+    # grad_and_value eagerly, and a tree structure made in the graph that lived across it came
+    # back wrongly rebuilt (unflatten failed with "length mismatch: [2, 4]"). So the arguments'
+    # structures are made where they are used: on_leaves and the grads flatten them again.
+    # (aux's is made in on_leaves, after fn, on the same side of its breaks as its use.)
     aux_rest: list[tuple[Any, list[Any], list[bool]]] = []  # aux's structure and non-tensor leaves
 
     def on_leaves(*leaf_lists: list[torch.Tensor]) -> Any:
         given = list(args)
-        for k, (_, spec), leaves in zip(positions, flat, leaf_lists):
-            given[k] = _tree.unflatten(spec, leaves)
+        for k, leaves in zip(positions, leaf_lists):
+            given[k] = _tree.unflatten(_tree.flatten(args[k])[1], leaves)
         value, aux = _value_and_aux(fn(*given, **kwargs), has_aux, name)
         if not has_aux:
             return value
@@ -415,7 +420,7 @@ def _by_func(
     grads, value = torch.func.grad_and_value(on_leaves, argnums=tuple(range(len(flat))), has_aux=has_aux)(
         *(leaves for leaves, _ in flat)
     )
-    trees = tuple(_tree.unflatten(spec, list(g)) for (_, spec), g in zip(flat, grads))
+    trees = tuple(_tree.unflatten(_tree.flatten(args[k])[1], list(g)) for k, g in zip(positions, grads))
     if has_aux:
         value, tensors = value
         spec, leaves, tensor = aux_rest[-1]

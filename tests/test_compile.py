@@ -738,3 +738,37 @@ def test_trees_unlike_in_a_compiled_step_are_refused_as_eagerly() -> None:
         updates(params, {"a": torch.ones(2), "b": [torch.ones(3)]})
     cast = updates(params, {"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float64)})
     assert cast["b"].dtype == torch.float32 and cast["b"].tolist() == [2.0] * 3
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("graph_break", ["rng_scope", "collective"])
+def test_fdp_grad_of_a_loss_with_a_graph_break_matches_eager(replicas: int, graph_break: str) -> None:
+    """fdp.value_and_grad with aux of a loss with a graph break in it (dropout in an
+    fdp.rng_scope, or a collective), which makes dynamo run the differentiation eagerly: the
+    structures of the arguments made in the graph came back across the break wrongly rebuilt
+    ("length mismatch: [2, 4]" in unflatten, at every compiled step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+
+    def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        def loss_fn(p: dict[str, torch.Tensor]) -> Any:
+            out = fdp.functional_call(model, p, (x,))
+            if graph_break == "rng_scope":
+                with fdp.rng_scope(fdp.replica_seed(7, "b")):
+                    out = F.dropout(out, 0.3)
+            else:
+                out = out - fdp.pmean(out.mean(0), "b", weight=x.shape[0])
+            return F.mse_loss(out, y), {"out": out, "scale": 2, "tag": "aux"}
+
+        (loss, aux), grads = fdp.value_and_grad(loss_fn, has_aux=True)(p)
+        return fdp.pmean(grads, "b", weight=x.shape[0]), loss.expand(1), aux
+
+    results = []
+    for compile in (False, AOT_EAGER):
+        mapped = fdp.pmap(step, axis_name="b", in_axes=(None, 0, 0), devices=cpus(replicas), compile=compile)
+        results.append([mapped(params, x, y) for _ in range(2)])
+    for eager, compiled in zip(*results):
+        assert compiled[2].pop("tag") == eager[2].pop("tag") == "aux"
+    torch.testing.assert_close(results[1], results[0], atol=1e-12, rtol=1e-12)
