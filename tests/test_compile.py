@@ -772,3 +772,52 @@ def test_fdp_grad_of_a_loss_with_a_graph_break_matches_eager(replicas: int, grap
     for eager, compiled in zip(*results):
         assert compiled[2].pop("tag") == eager[2].pop("tag") == "aux"
     torch.testing.assert_close(results[1], results[0], atol=1e-12, rtol=1e-12)
+
+
+def test_a_training_loop_over_epochs_compiles_nothing_new_after_its_first_epoch() -> None:
+    """Resident state with BatchNorm statistics, a schedule after clipping, gradients donated
+    to the pmean, a keyword argument, 5 rows on 2 replicas and a smaller last batch in every
+    epoch: compiled, the steps match eager ones, and once each batch size and the step count
+    have been seen (as a constant, then as a dynamic value) no step compiles anything."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lambda k: 1e-2 * 0.9**k))
+    batches = [
+        (torch.randn(n, 4, dtype=torch.float64), torch.randn(n, 2, dtype=torch.float64)) for n in (6, 6, 5)
+    ]
+
+    def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor, *, scale: float) -> Any:
+        def loss_fn(p: dict[str, torch.Tensor]) -> Any:
+            out, new_buffers = fdp.stateful_call(model, p, state["buffers"], (x,))
+            return F.mse_loss(out, y) * scale, (new_buffers, out)
+
+        grads, (new_buffers, out) = torch.func.grad(loss_fn, has_aux=True)(state["params"])
+        grads = fdp.pmean(grads, "b", weight=x.shape[0], donate=True)
+        new_params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        return {"params": new_params, "opt": opt_state, "buffers": new_buffers}, out
+
+    recorder = GraphRecorder()
+    results, compiled_by_epoch = [], []
+    for compile in (False, {"backend": recorder}):
+        mapped = fdp.pmap(
+            step,
+            axis_name="b",
+            devices=cpus(2),
+            split="balanced",
+            out_axes=(fdp.PER_REPLICA, 0),
+            compile=compile,
+        )
+        state = fdp.device_put_replicated(
+            {"params": params, "opt": opt.init(params), "buffers": buffers}, cpus(2)
+        )
+        outs = []
+        for _ in range(3):
+            for x, y in batches:
+                state, out = mapped(state, x, y, scale=0.5)
+                outs.append(out)
+            compiled_by_epoch.append(recorder.calls)
+        results.append((fdp.unreplicate(state), outs))
+    torch.testing.assert_close(results[1], results[0], atol=1e-9, rtol=1e-9)
+    assert compiled_by_epoch[-1] == compiled_by_epoch[-2] > 0  # the third epoch compiled nothing
