@@ -104,6 +104,20 @@ def replica_seed(seed: int, axis_name: Hashable) -> int:
     return fold_in(seed, _collectives.axis_index(axis_name))
 
 
+# Traced, fold_in's arithmetic on a Python int that changes per call (the step in
+# fold_in(seed, step), inside a compiled step) guarded on its value: a recompilation at every
+# step, and past dynamo's recompile limit, eager steps with a warning. Its result seeds an
+# rng_scope, which runs eagerly anyway: so fold_in is a graph break, as rng_scope is, and
+# replica_seed one break, not two (axis_index is one too).
+_SEED_WHY = (
+    "fdp.{name} runs eagerly, as a graph break: traced, dynamo would compile it for each value "
+    "of its integers (a step count: a recompilation at every step). Its result is a seed for "
+    "fdp.rng_scope, which runs eagerly too."
+)
+eager_under_compile(fold_in, why=_SEED_WHY.format(name="fold_in"))
+eager_under_compile(replica_seed, why=_SEED_WHY.format(name="replica_seed"))
+
+
 # --- routing ATen random ops ---------------------------------------------------------------------
 
 

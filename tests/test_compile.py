@@ -821,3 +821,28 @@ def test_a_training_loop_over_epochs_compiles_nothing_new_after_its_first_epoch(
         results.append((fdp.unreplicate(state), outs))
     torch.testing.assert_close(results[1], results[0], atol=1e-9, rtol=1e-9)
     assert compiled_by_epoch[-1] == compiled_by_epoch[-2] > 0  # the third epoch compiled nothing
+
+
+def test_a_seed_folded_with_the_step_inside_a_compiled_step_compiles_once_not_once_per_step() -> None:
+    """fdp.fold_in(seed, step) in the step, as docs/training.md seeds dropout: traced, its
+    arithmetic guarded on the step's value, a recompilation at every step (and past dynamo's
+    recompile limit, eager steps). Now it and replica_seed are graph breaks, as rng_scope is."""
+    recorder = GraphRecorder()
+
+    def f(x: torch.Tensor, step: int) -> torch.Tensor:
+        x = x * 3 + step
+        with fdp.rng_scope(fdp.replica_seed(fdp.fold_in(0, step), "b")):
+            x = F.dropout(x, 0.5)
+        return fdp.psum(x, "b") + 1
+
+    results, compiled_by_step = [], []
+    for compile in (False, {"backend": recorder}):
+        mapped = fdp.pmap(f, axis_name="b", in_axes=(0, None), devices=cpus(2), compile=compile)
+        results.append([])
+        for step in range(10):
+            results[-1].append(mapped(torch.ones(4, 8), step))
+            compiled_by_step.append(recorder.calls)
+    assert not torch.equal(results[0][0], results[0][1])  # the masks change with the step
+    torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
+    # The step compiled as a constant, then once as a dynamic value: nothing after step 2.
+    assert compiled_by_step[-1] == compiled_by_step[-8] > 0
