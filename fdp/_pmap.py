@@ -519,19 +519,26 @@ class Pmapped(Generic[P, R]):
             return (head[0], args, keywords), ("params", "args", "kwargs"), statics
         return (args, keywords), ("args", "kwargs"), statics
 
+    def _static_positions(self, count: int) -> set[int]:
+        """The positions of the static arguments among ``count`` positional ones (negative
+        ``static_argnums`` counted from the end)."""
+        return {i + count if i < 0 else i for i in self.static_argnums}
+
     def _make_plan(
         self, parts: tuple[Any, ...], roots: tuple[str, ...], treespec: optree.PyTreeSpec
     ) -> _Plan:
         in_axes = self.in_axes
         args = parts[-2]
-        if isinstance(in_axes, tuple) and len(in_axes) < len(args) and self.static_argnums:
-            # jax.pmap reads in_axes[i] for each non-static argument i only, so a tuple there
-            # may stop before trailing static arguments: in_axes=(0,) with
-            # static_broadcasted_argnums=1 runs. (A static argument before a mapped one still
-            # needs its entry, there as here.)
-            static = {i + len(args) if i < 0 else i for i in self.static_argnums}
-            if static.issuperset(range(len(in_axes), len(args))):
-                in_axes = in_axes + (_axes.BROADCAST,) * (len(args) - len(in_axes))
+        # jax.pmap reads in_axes[i] for each non-static argument i only, so a tuple there may
+        # stop before trailing static arguments: in_axes=(0,) with static_broadcasted_argnums=1
+        # runs. (A static argument before a mapped one still needs its entry, there as here.)
+        if (
+            isinstance(in_axes, tuple)
+            and len(in_axes) < len(args)
+            and self.static_argnums
+            and self._static_positions(len(args)).issuperset(range(len(in_axes), len(args)))
+        ):
+            in_axes = in_axes + (_axes.BROADCAST,) * (len(args) - len(in_axes))
         if isinstance(in_axes, tuple) and len(in_axes) == len(args) and self.static_argnums:
             in_axes = tuple(_axes.BROADCAST if a is None else ax for a, ax in zip(args, in_axes))
         axes: list[Any] = []
@@ -587,7 +594,7 @@ class Pmapped(Generic[P, R]):
                 f"which in_axes describes too, as in jax.pmap: in_axes={(_axes.BROADCAST, *spec)!r} "
                 "gives every replica all of it"
             )
-        static = {i + len(args) if i < 0 else i for i in self.static_argnums}
+        static = self._static_positions(len(args))
         if static and isinstance(spec, tuple) and len(spec) == len(args) - len(static):
             # One entry per argument but the static ones: as in jax.pmap, those before a mapped
             # one have entries too (those after the last may go without: see _make_plan).
@@ -778,7 +785,7 @@ def _deferred_body_message(fn: Callable[..., Any], caller: str) -> str | None:
     ``forward`` too): calling it runs none of its body, which would run after the call, as the
     caller iterates or awaits what it returned, outside every replica."""
     module = isinstance(fn, nn.Module)
-    target = type(fn).forward if isinstance(fn, nn.Module) else fn
+    target = type(fn).forward if isinstance(fn, nn.Module) else fn  # (isinstance: for mypy)
     if inspect.isasyncgenfunction(target):
         what = "an asynchronous generator function (async def with yield)"
         when = "the asynchronous generator it returns is iterated with async for"
@@ -798,11 +805,7 @@ def _deferred_body_message(fn: Callable[..., Any], caller: str) -> str | None:
             f"them), e.g. lambda *args: list({name}(*args))"
         )
     else:
-        advice = (
-            "Map a plain function (def): fdp runs the replicas in threads, not on an event loop "
-            "(from async code, call the pmapped function in a thread: await "
-            "asyncio.to_thread(pmapped, ...))"
-        )
+        advice = f"Map a plain function (def): {_tree.NOT_ON_AN_EVENT_LOOP}"
     return (
         f"{caller}: {'its forward' if module else 'the function'} is {what}, whose body runs only "
         f"as {when}: after the pmapped call, in the caller's thread, outside every replica (with "

@@ -502,6 +502,12 @@ _DEFERRED: dict[type, tuple[str, str]] = {
 }
 DEFERRED_TYPES: frozenset[type] = frozenset(_DEFERRED)
 
+# Advice for async code, in the refusals of a coroutine function and of a coroutine returned.
+NOT_ON_AN_EVENT_LOOP = (
+    "fdp runs the replicas in threads, not on an event loop (from async code, call the pmapped "
+    "function in a thread: await asyncio.to_thread(pmapped, ...))"
+)
+
 
 def deferred_reason(value: Any) -> str | None:
     """Why a replica may not return ``value``, where it is a generator, a coroutine or a lazy
@@ -514,11 +520,7 @@ def deferred_reason(value: Any) -> str | None:
         return None
     what, when = found
     if isinstance(value, (types.CoroutineType, types.AsyncGeneratorType)):
-        advice = (
-            "Map a plain function (def), not an async one: fdp runs the replicas in threads, not "
-            "on an event loop (from async code, call the pmapped function in a thread: await "
-            "asyncio.to_thread(pmapped, ...))"
-        )
+        advice = f"Map a plain function (def), not an async one: {NOT_ON_AN_EVENT_LOOP}"
     else:
         advice = "Return the values themselves: a tensor, or a list or tuple of them (list(...) of it)"
     return (
