@@ -268,6 +268,23 @@ def test_numpy_scalars_count_as_numbers() -> None:
     assert {k: v.item() for k, v in means.items()} == {"f32": 1.5, "i64": 2.0, "bool": 1.0}
 
 
+def through_collectives(numbers: dict[str, Any]) -> tuple[Any, ...]:
+    """``numbers`` (the same on both of 2 CPU replicas) through psum, pmean, pmax, all_gather
+    and a ppermute that swaps the replicas' values."""
+
+    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
+    def combined(x: torch.Tensor) -> Any:
+        return (
+            fdp.psum(numbers, "i"),
+            fdp.pmean(numbers, "i"),
+            fdp.pmax(numbers, "i"),
+            fdp.all_gather(numbers, "i"),
+            fdp.ppermute(numbers, "i", [(0, 1), (1, 0)]),
+        )
+
+    return combined(torch.zeros(2))
+
+
 def test_numpy_scalars_keep_their_dtype() -> None:
     # As torch.as_tensor makes them, and as jax.lax's collectives keep them. Taken as Python
     # numbers, they came back float32 or int64 whatever their dtype, but np.float64 (a float)
@@ -283,17 +300,7 @@ def test_numpy_scalars_keep_their_dtype() -> None:
         "u32": numpy.uint32(2),  # torch adds no uint32 on the CPU: as its int
     }
 
-    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
-    def combined(x: torch.Tensor) -> Any:
-        return (
-            fdp.psum(numbers, "i"),
-            fdp.pmean(numbers, "i"),
-            fdp.pmax(numbers, "i"),
-            fdp.all_gather(numbers, "i"),
-            fdp.ppermute(numbers, "i", [(0, 1), (1, 0)]),
-        )
-
-    sums, means, maxima, gathered, permuted = combined(torch.zeros(2))
+    sums, means, maxima, gathered, permuted = through_collectives(numbers)
     own = {k: torch.as_tensor(v).dtype for k, v in numbers.items()}
     counted = {**own, "bool": torch.int64, "u32": torch.int64}
     assert {k: v.dtype for k, v in sums.items()} == counted
@@ -315,18 +322,9 @@ def test_numpy_scalars_torch_has_no_tensor_of_are_taken_as_the_nearest_dtype() -
     numpy = pytest.importorskip("numpy")
     numbers = {"u64": numpy.uint64(3), "long": numpy.longdouble(1.5)}
 
-    @fdp.pmap(axis_name="i", devices=cpus(2), out_axes=None)
-    def combined(x: torch.Tensor) -> Any:
-        return (
-            fdp.psum(numbers, "i"),
-            fdp.pmean(numbers, "i"),
-            fdp.pmax(numbers, "i"),
-            fdp.all_gather(numbers, "i"),
-        )
-
-    sums, means, maxima, gathered = combined(torch.zeros(2))
+    sums, means, maxima, gathered, permuted = through_collectives(numbers)
     nearest = {"u64": torch.int64, "long": torch.float64}
-    for tree in (sums, maxima, gathered):
+    for tree in (sums, maxima, gathered, permuted):
         assert {k: v.dtype for k, v in tree.items()} == nearest
     assert {k: v.dtype for k, v in means.items()} == {"u64": torch.get_default_dtype(), "long": torch.float64}
     assert {k: v.tolist() for k, v in sums.items()} == {"u64": 6, "long": 3.0}
