@@ -1028,7 +1028,11 @@ class _Permute(_Op):
         for r, device in enumerate(b.device for b in buffers):
             src = self.source_of.get(group.offset + r)
             if src is None:
-                out.append(torch.zeros_like(buffers[r]))
+                # Still a function of the replica's value, as JAX's zeros are: a backward through
+                # a call whose only result is these zeros gives zero gradients, not torch's "does
+                # not require grad".
+                zeros = torch.zeros_like(buffers[r])
+                out.append(_ZerosOf.apply(zeros, buffers[r]) if buffers[r].requires_grad else zeros)
             elif r in arrived:
                 out.append(_transfer.to_device(arrived[r], device).clone())
             else:  # from a replica of this process
@@ -1095,6 +1099,20 @@ class _Tied(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
+
+
+class _ZerosOf(torch.autograd.Function):
+    """``zeros`` (of ``value``'s shape and dtype), as a function of ``value`` whose gradient is zero."""
+
+    @staticmethod
+    def forward(ctx: Any, zeros: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mark_dirty(zeros)  # as in _Tied: returned as it is, and the caller may change it in place
+        return zeros
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        # Zeros, not None: None would leave a leaf's .grad None where JAX (and x * 0) give zeros.
+        return None, torch.zeros_like(grad)
 
 
 # --- running an op: the two differentiation modes ----------------------------------------------
@@ -1900,8 +1918,8 @@ def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any: ...
 def ppermute(x: Any, axis_name: Hashable, perm: Any) -> Any:
     """Sends each replica's ``x`` to another: ``perm`` is a sequence of ``(source, destination)`` pairs.
 
-    A replica that is no pair's destination gets zeros, as in ``jax.lax.ppermute``. Sources must
-    be distinct, and so must destinations.
+    A replica that is no pair's destination gets zeros (with zero gradient), as in
+    ``jax.lax.ppermute``. Sources must be distinct, and so must destinations.
 
     Args:
         x: a pytree of tensors, of equal shapes on every replica.

@@ -903,6 +903,18 @@ def test_grad_of_ppermute_is_the_inverse_permutation() -> None:  # JAX: testColl
     torch.testing.assert_close(out, torch.cat([torch.pi + torch.arange(1, N), torch.zeros(1)]))
 
 
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 2])
+def test_backward_through_a_call_whose_ppermute_sends_nothing_gives_zeros(devices: list[str]) -> None:
+    # As jax.grad of a pmapped ppermute with perm=[]: the zeros are a function of x, with zero
+    # gradient (torch raised "does not require grad"), an inf among them included (not x * 0).
+    x = torch.tensor([1.0, float("inf")] * len(devices), requires_grad=True)
+    out = fdp.pmap(lambda x: fdp.ppermute(x, "i", []), axis_name="i", devices=devices)(x)
+    assert out.requires_grad
+    torch.testing.assert_close(out.detach(), torch.zeros_like(x), rtol=0, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.zeros_like(x), rtol=0, atol=0)
+
+
 def test_grad_of_pmax_goes_to_the_largest() -> None:
     x = torch.tensor([1.0, 5.0, 3.0, 5.0])
     out = per_row(lambda x: torch.func.grad(lambda x: fdp.pmax(x, "i").sum())(x))(x)
