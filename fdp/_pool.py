@@ -344,6 +344,13 @@ _FORWARD_AD_IN_REPLICAS = (
     "Hessian), or torch.autograd.forward_ad around the whole pmapped call"
 )
 
+_EMBEDDING_BAG_SPLIT = (
+    "an nn.EmbeddingBag's 1-D input with offsets is no batch of rows: split over the "
+    "replicas, each shard's offsets point into the whole input (and where the bags before "
+    "a shard are empty, its bags come out wrong without this error). Pass the bags in the "
+    "2-D form, a [bags, max_len] tensor of indices padded with padding_idx, with no offsets"
+)
+
 # Notes for torch errors whose message misleads in a replica: (exception type, a phrase of
 # torch's message, whether only a call of several replicas gets the note, the note).
 _NOTES_ON_TORCH_ERRORS: tuple[tuple[type[BaseException], str, bool, str], ...] = (
@@ -376,17 +383,12 @@ _NOTES_ON_TORCH_ERRORS: tuple[tuple[type[BaseException], str, bool, str], ...] =
         "larger batch, fewer devices), or normalize over the whole batch with "
         "fdp.SyncBatchNorm.convert_sync_batchnorm(model, axis_name=...)",
     ),
-    (
-        # An nn.EmbeddingBag's 1-D input and offsets, split by rows: a shard's offsets still
-        # point into the whole input. torch's message reads as a mistake in the offsets given.
-        RuntimeError,
-        "offsets[0] has to be 0",
-        True,
-        "an nn.EmbeddingBag's 1-D input with offsets is no batch of rows: split over the "
-        "replicas, each shard's offsets point into the whole input (and where the bags before "
-        "a shard are empty, its bags come out wrong without this error). Pass the bags in the "
-        "2-D form, a [bags, max_len] tensor of indices padded with padding_idx, with no offsets",
-    ),
+    # An nn.EmbeddingBag's 1-D input and offsets, split by rows: a shard's offsets still
+    # point into the whole input. torch's message reads as a mistake in the offsets given.
+    # Replica 0's offsets start at 0, so where it fails (bags of several indices before empty
+    # ones), it is that their last points past its shard, the error that comes first.
+    (RuntimeError, "offsets[0] has to be 0", True, _EMBEDDING_BAG_SPLIT),
+    (RuntimeError, "offsets[-1] can not be greater than input's length", True, _EMBEDDING_BAG_SPLIT),
 )
 
 

@@ -482,3 +482,14 @@ def test_an_embedding_bag_given_1d_input_and_offsets_split_by_rows_says_why() ->
     with pytest.raises(RuntimeError, match=r"offsets\[0\] has to be 0") as caught:
         fdp.pmap(bag, devices=cpus(2))({}, indices, offsets)
     assert any("is no batch of rows" in n and "the 2-D form" in n for n in caught.value.__notes__)
+
+
+def test_an_embedding_bag_whose_first_shard_fails_first_says_why_too() -> None:
+    # Bags of two indices before empty ones: replica 0's offsets start at 0, but its last
+    # points past its shard of the input, and torch's error there is another one, raised first.
+    bag = torch.nn.EmbeddingBag(10, 3)
+    indices, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4, 6, 6, 6])
+    bag(indices, offsets)
+    with pytest.raises(RuntimeError, match=r"offsets\[-1\] can not be greater") as caught:
+        fdp.pmap(bag, devices=cpus(2))({}, indices, offsets)
+    assert any("is no batch of rows" in n and "the 2-D form" in n for n in caught.value.__notes__)
