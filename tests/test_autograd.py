@@ -457,6 +457,21 @@ def test_checkpointed_collective_names_the_recomputation(reentrant: bool) -> Non
         out.sum().backward()
 
 
+def test_a_checkpointed_region_that_ends_in_its_collective_is_not_recomputed_past_it() -> None:
+    # use_reentrant=False stops recomputing once backward has what it saved (sin's input):
+    # the psum after it never runs again, so the gradients are the plain ones (docs/collectives.md).
+    from torch.utils.checkpoint import checkpoint
+
+    f = fdp.pmap(
+        lambda x: checkpoint(lambda x: fdp.psum(x.sin(), "i"), x, use_reentrant=False),
+        axis_name="i",
+        devices=cpus(2),
+    )
+    x = torch.randn(4, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
 # Forward-mode AD loads torch's decompositions through torch.jit.script once, which warns (a
 # DeprecationWarning in torch 2.13, a FutureWarning in 2.15).
 _JIT_SCRIPT_DEPRECATED = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
