@@ -1397,7 +1397,7 @@ def _run(
     in the mode that fits how the replica differentiates. ``donate``: the caller gives the
     value up (see :func:`psum`); only a lone replica makes use of it."""
     if donate is not False and donate is not True:
-        _tree.check_flag(donate, f"{op.name}: donate")  # raises, naming the call
+        donate = _tree.check_flag(donate, f"{op.name}: donate")  # a NumPy bool, or raises naming the call
     context = _bound(axis_name, op.name)
     # Differentiated inside the replica (torch.func.grad, or fdp.grad by autograd): the form
     # whose backward is the transposed collective, which every replica runs in its own backward.

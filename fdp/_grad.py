@@ -155,7 +155,7 @@ def _transform(
     if not callable(fn):
         raise TypeError(f"{name}: fn must be callable, got {_tree.describe(fn)}: {_tree.short_repr(fn)}")
     positions = _positions(argnums, name)
-    _tree.check_flag(has_aux, f"{name}: has_aux")
+    has_aux = _tree.check_flag(has_aux, f"{name}: has_aux")  # (a NumPy bool as a bool)
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:

@@ -707,7 +707,7 @@ def sgd(
     """
     learning_rate = _learning_rate(lr, "sgd")
     _check_non_negative("sgd", {"momentum": momentum, "weight_decay": weight_decay})
-    _tree.check_flag(maximize, "fdp.optim.sgd: maximize")
+    maximize = _tree.check_flag(maximize, "fdp.optim.sgd: maximize")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
 
@@ -790,8 +790,8 @@ def _adam(
 ) -> GradientTransformation[AdamState]:
     learning_rate = _learning_rate(lr, name)
     _check_non_negative(name, {"eps": eps, "weight_decay": weight_decay})
-    _tree.check_flag(amsgrad, f"fdp.optim.{name}: amsgrad")
-    _tree.check_flag(maximize, f"fdp.optim.{name}: maximize")
+    amsgrad = _tree.check_flag(amsgrad, f"fdp.optim.{name}: amsgrad")
+    maximize = _tree.check_flag(maximize, f"fdp.optim.{name}: maximize")
     try:
         beta1, beta2 = betas
         in_range = 0 <= beta1 < 1 and 0 <= beta2 < 1

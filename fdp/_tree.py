@@ -937,10 +937,16 @@ def describe(value: object) -> str:
 
 
 def check_flag(value: object, what: str) -> bool:
-    """``value`` if it is ``True`` or ``False``; else a TypeError naming ``what`` (the call and
-    the option) and the value: read as a truth value, ``"no"`` or ``"false"`` would be True."""
+    """``value`` as a ``bool`` if it is ``True`` or ``False``, or a NumPy bool (``np.bool_``, as a
+    comparison of NumPy values gives: ``maximize=scores.mean() < 0``); else a TypeError naming
+    ``what`` (the call and the option) and the value. Read as a truth value, ``"no"`` or
+    ``"false"`` would be True, and ``None`` False: ``torch.optim`` takes any value so, and fdp
+    refuses them, ``1`` and ``0`` too, which say no more than ``True`` and ``False`` do."""
     if value is True or value is False:
         return value
+    numpy = sys.modules.get("numpy")  # (looked up only if the program imported it)
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
     raise TypeError(f"{what} must be True or False, got {type(value).__name__}: {short_repr(value)}")
 
 

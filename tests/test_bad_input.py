@@ -1568,3 +1568,26 @@ def test_every_entry_of_the_docs_is_run_here_or_apart() -> None:
         assert name in entries, name
         for file in files:
             assert file in errors and (root / file).exists(), (name, file)
+
+
+def test_options_that_are_true_or_false_take_numpy_bools() -> None:
+    # A comparison of NumPy values gives np.bool_, which torch takes for its flags; refused as
+    # "must be True or False" before. Each gives what the Python bool gives.
+    x = torch.arange(6.0).reshape(2, 3)
+    aux = lambda w: ((w**2).sum(), w.sum())  # noqa: E731
+    for flag in (np.True_, np.False_):
+        assert pm(lambda t: t, check_unmapped_outputs=flag).check_unmapped_outputs is bool(flag)
+    assert_same(fdp.value_and_grad(aux, has_aux=np.True_)(x), fdp.value_and_grad(aux, has_aux=True)(x))
+    assert_same(fdp.grad(aux, has_aux=np.True_)(x), fdp.grad(aux, has_aux=True)(x))
+    for flag in (np.True_, True):
+        donated = pm(lambda t, flag=flag: fdp.pmean(t.clone(), "i", donate=flag), axis_name="i")(x)
+        assert torch.equal(donated, x.mean(0, keepdim=True).expand(2, 3))
+        tiled = pm(lambda t, flag=flag: fdp.all_gather(t, "i", tiled=flag), axis_name="i")(x)
+        assert torch.equal(tiled, torch.cat([x, x]))
+
+
+def assert_same(a: Any, b: Any) -> None:
+    a_leaves, a_spec = optree.tree_flatten(a)
+    b_leaves, b_spec = optree.tree_flatten(b)
+    assert a_spec == b_spec
+    assert all(torch.equal(s, t) for s, t in zip(a_leaves, b_leaves))

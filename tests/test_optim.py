@@ -1201,6 +1201,35 @@ def test_hyperparameters_torch_optim_refuses(
         make()
 
 
+def test_flags_take_numpy_bools_as_torch_optim_does() -> None:
+    # A comparison of NumPy values (maximize=score_sign < 0) gives np.bool_, which torch.optim
+    # takes and fdp refused as "not True or False".
+    numpy = pytest.importorskip("numpy")
+    for name in ("sgd_nesterov_weight_decay", "sgd_maximize_momentum_weight_decay", "adamw_amsgrad_maximize"):
+        make_torch, _ = CONFIGS[name]
+        flags = {"nesterov": "nesterov" in name, "maximize": "maximize" in name, "amsgrad": "amsgrad" in name}
+        flags = {k: v for k, v in flags.items() if v}
+        numpy_flags = {k: numpy.bool_(v) for k, v in flags.items()}
+        if name.startswith("sgd"):
+            opt = optim.sgd(0.05, momentum=0.9, weight_decay=1e-2, **numpy_flags)
+        else:
+            opt = optim.adamw(1e-2, weight_decay=0.1, **numpy_flags)
+        torch.manual_seed(0)
+        initial = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+        reference = {k: v.clone().requires_grad_() for k, v in initial.items()}
+        torch_opt = make_torch(list(reference.values()))
+        params, state = dict(initial), opt.init(initial)
+        for _ in range(5):
+            grads = {k: torch.randn_like(v) for k, v in initial.items()}
+            for k, p in reference.items():
+                p.grad = grads[k].clone()
+            torch_opt.step()
+            params, state = opt.apply_gradients(grads, state, params)
+        for k in params:
+            assert torch.equal(params[k], reference[k].detach()), (name, k)
+    assert fdp_tree.check_flag(numpy.bool_(False), "f: x") is False  # a bool, not a NumPy one
+
+
 def test_clip_by_global_norm_matches_clip_grad_norm_for_tiny_norms() -> None:
     # Where the norm is of the order of clip_grad_norm_'s 1e-6, its exact formula shows.
     grads = {"g": torch.tensor([3e-6, 4e-6])}
