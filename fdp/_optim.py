@@ -649,6 +649,26 @@ def _check_non_negative(name: str, values: dict[str, Any], *, number: str = "a n
             raise ValueError(f"fdp.optim.{name}: {what} must be non-negative, got {value!r}")
 
 
+def _number(value: Any) -> bool:
+    """Whether ``value`` is one real number, not NaN (infinities are numbers)."""
+    try:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return False
+        return bool(value >= 0 or value < 0)
+    except (TypeError, RuntimeError):
+        return False
+
+
+def _refuse_not_a_number(name: str, what: str, value: Any) -> NoReturn:
+    """Raises for ``value`` of hyperparameter ``what``, found not :func:`_number`: a ValueError
+    for NaN, a TypeError for anything else."""
+    if _non_negative(value) is not None:  # a number that compares as none: NaN
+        raise ValueError(f"fdp.optim.{name}: {what} must be a number, got {value!r}")
+    raise TypeError(
+        f"fdp.optim.{name}: {what} must be a number, got {type(value).__name__}: {_tree.short_repr(value)}"
+    )
+
+
 def _learning_rate(lr: float | torch.Tensor | Schedule, name: str) -> Callable[[int], float | torch.Tensor]:
     """``lr`` as a schedule: a number, checked now, or a schedule, each of whose values is
     checked when a step takes it (a negative or NaN one would step uphill, or poison every
@@ -687,13 +707,20 @@ def sgd(
             compiled steps follow), or a :data:`Schedule`, a function of the steps taken before
             this one (``lambda step: 0.1 * 0.9**step``), as a ``LambdaLR`` would set it.
         momentum: the momentum factor, non-negative. Keyword-only. Default: ``0.0``.
-        dampening: dampening for momentum (not applied on the first step, as in torch).
-            Keyword-only. Default: ``0.0``.
-        nesterov: Nesterov momentum. Keyword-only. Default: ``False``.
+        dampening: dampening for momentum (not applied on the first step, as in torch), any
+            number but NaN. Keyword-only. Default: ``0.0``.
+        nesterov: Nesterov momentum, which needs ``momentum > 0`` and ``dampening = 0`` (as in
+            torch). Keyword-only. Default: ``False``.
         weight_decay: L2 penalty added to the gradient, non-negative. Keyword-only. Default:
             ``0.0``.
         maximize: step up the gradient, to maximize the objective (the gradient is negated
             before anything else, as in torch). Keyword-only. Default: ``False``.
+
+    Raises:
+        ValueError: a hyperparameter ``torch.optim.SGD`` refuses (a negative ``lr``, ``momentum``
+            or ``weight_decay``; ``nesterov`` without momentum or with dampening), or NaN.
+        TypeError: a hyperparameter that is not a number, or a flag that is not ``True`` or
+            ``False`` (or a NumPy bool).
 
     Examples:
         >>> import torch
@@ -707,9 +734,18 @@ def sgd(
     """
     learning_rate = _learning_rate(lr, "sgd")
     _check_non_negative("sgd", {"momentum": momentum, "weight_decay": weight_decay})
+    # torch.optim.SGD checks no dampening: any number, negative or above 1 included, but NaN
+    # (which poisons every momentum buffer, silently) and what is not a number (a str, which
+    # torch takes and fails on at its second step).
+    if not _number(dampening):
+        _refuse_not_a_number("sgd", "dampening", dampening)
     maximize = _tree.check_flag(maximize, "fdp.optim.sgd: maximize")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("fdp.optim.sgd: Nesterov momentum needs momentum > 0 and dampening = 0")
+    nesterov = _tree.check_flag(nesterov, "fdp.optim.sgd: nesterov")
+    if nesterov and (momentum <= 0 or dampening != 0):  # as torch.optim.SGD refuses it
+        raise ValueError(
+            "fdp.optim.sgd: nesterov=True needs momentum > 0 and dampening = 0, got "
+            f"momentum={momentum!r}, dampening={dampening!r}"
+        )
 
     def init(params: Tree) -> SgdState:
         return SgdState(0, _zeros_like(params, "sgd") if momentum else None)

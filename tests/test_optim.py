@@ -1000,11 +1000,21 @@ def test_state_structure_is_stable_across_steps() -> None:
     ("make", "match"),
     [
         (lambda: optim.sgd(-1.0), "lr must be non-negative"),
-        (lambda: optim.sgd(0.1, nesterov=True), "Nesterov momentum needs momentum > 0"),
+        (
+            lambda: optim.sgd(0.1, nesterov=True),
+            r"^fdp\.optim\.sgd: nesterov=True needs momentum > 0 and dampening = 0, got momentum=0\.0, "
+            r"dampening=0\.0$",
+        ),
         # torch.optim.SGD refuses Nesterov with dampening too, and Adam a second beta of 1.
         (
             lambda: optim.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
-            "Nesterov momentum needs momentum > 0 and dampening = 0",
+            r"^fdp\.optim\.sgd: nesterov=True needs momentum > 0 and dampening = 0, got momentum=0\.9, "
+            r"dampening=0\.1$",
+        ),
+        # A NaN dampening poisons every momentum buffer (torch.optim.SGD checks no dampening).
+        (
+            lambda: optim.sgd(0.1, momentum=0.9, dampening=math.nan),
+            r"^fdp\.optim\.sgd: dampening must be a number, got nan$",
         ),
         (lambda: optim.adam(betas=(1.0, 0.9)), r"betas must be in \[0, 1\)"),
         (lambda: optim.adam(betas=(0.9, 1.0)), r"betas must be in \[0, 1\)"),
@@ -1087,6 +1097,18 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
             lambda: optim.adamw(maximize=None),
             TypeError,
             r"^fdp\.optim\.adamw: maximize must be True or False, got NoneType: None$",
+        ),
+        # nesterov="no" turned Nesterov momentum on (with momentum=0: refused for the momentum).
+        (
+            lambda: optim.sgd(0.1, momentum=0.9, nesterov="no"),
+            TypeError,
+            r"^fdp\.optim\.sgd: nesterov must be True or False, got str: 'no'$",
+        ),
+        # Taken, and failed on at the second step in torch's words (as in torch.optim.SGD).
+        (
+            lambda: optim.sgd(0.1, momentum=0.9, dampening="0.1"),
+            TypeError,
+            r"^fdp\.optim\.sgd: dampening must be a number, got str: '0\.1'$",
         ),
         (
             lambda: optim.clip_by_global_norm("1"),
@@ -1199,6 +1221,21 @@ def test_hyperparameters_torch_optim_refuses(
         make_torch()  # the oracle
     with pytest.raises(ValueError, match=rf"fdp\.optim\.\w+: {match} must be non-negative, got "):
         make()
+
+
+@pytest.mark.parametrize(
+    ("momentum", "dampening"),
+    [(0.0, 0.0), (-0.0, 0.0), (0.9, 0.1), (0.9, -0.1), (0.9, -0.0), (0.9, math.nan), (1e-9, 0.0)],
+)
+def test_nesterov_is_refused_where_torch_optim_refuses_it(momentum: float, dampening: float) -> None:
+    one = [torch.zeros(1, requires_grad=True)]
+    try:
+        torch.optim.SGD(one, 0.1, momentum=momentum, dampening=dampening, nesterov=True)
+    except ValueError:
+        with pytest.raises(ValueError, match=r"^fdp\.optim\.sgd: (nesterov=True needs|dampening must be)"):
+            optim.sgd(0.1, momentum=momentum, dampening=dampening, nesterov=True)
+    else:
+        optim.sgd(0.1, momentum=momentum, dampening=dampening, nesterov=True)
 
 
 def test_flags_take_numpy_bools_as_torch_optim_does() -> None:
