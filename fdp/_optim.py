@@ -194,10 +194,12 @@ def _optimizer(
     buffers: tuple[str, ...],
     learning_rate: Callable[[int], float | torch.Tensor],
     sparse_why: str,
+    unkept: tuple[str, ...] = (),
 ) -> GradientTransformation[_CountedT]:
     """The pair for an optimizer that computes new parameters (as torch.optim does), with its
     one-pass ``apply_gradients``. Its state is a ``state_type``; ``buffers`` names the state's
-    fields that hold trees like the gradients; ``learning_rate`` gives each step's rate from the
+    fields that hold trees like the gradients, and ``unkept`` those it keeps None, without the
+    option that needs them (see :data:`_KEPT_WITH`); ``learning_rate`` gives each step's rate from the
     steps taken (:func:`_learning_rate`); ``sparse_why`` says why a sparse gradient
     cannot be stepped (see :func:`_refuse_sparse`)."""
 
@@ -213,6 +215,9 @@ def _optimizer(
                 f"{state_type.__qualname__}: the state must come from this optimizer's init(params) "
                 f"or its last step, passed as {call}(grads, state, params)"
             )
+        for field in unkept:
+            if getattr(state, field) is not None:
+                _refuse_unkept(name, call, field)
         # Before any tree is flattened: compiled, a schedule that dynamo cannot trace breaks the
         # graph, and dynamo rebuilt a tree structure that lived across that break and the one
         # after it wrongly (a step failed with "length mismatch: [2, 1]" in unflatten).
@@ -435,6 +440,21 @@ _KEPT_WITH = {
         "second moments: state._replace(max_exp_avg_sq=state.exp_avg_sq))",
     ),
 }
+
+
+def _refuse_unkept(name: str, call: str, field: str) -> NoReturn:
+    """Raises for a state whose ``field`` holds a tree where this optimizer, made without the
+    option that keeps it, would drop it: ``torch.optim``'s ``load_state_dict`` takes the
+    options saved with the state (an amsgrad checkpoint goes on with amsgrad in an
+    ``Adam(amsgrad=False)``), so a checkpoint resumed by an optimizer made with other options
+    would go on as another optimizer, silently. Leaving the option out on purpose is one
+    ``_replace`` away, which the message gives."""
+    option = _KEPT_WITH[field][0]
+    raise ValueError(
+        f"fdp.optim.{name}: {call} got a state whose {field} is not None, as init makes it with "
+        f"{option}, which this optimizer lacks: make the optimizer with {option} to go on as the "
+        f"state was made, or drop them to go on without: state._replace({field}=None)"
+    )
 
 
 def _verify(
@@ -783,8 +803,9 @@ def sgd(
         "fdp.optim.sgd with weight_decay adds the parameter to the gradient, which torch cannot do "
         "to a sparse one (torch.optim.SGD neither); without weight_decay, sgd steps sparse gradients"
     )
+    kept = ("momentum",) if momentum else ()
     return _optimizer(
-        init, step, "sgd", SgdState, ("momentum",) if momentum else (), learning_rate, sparse_why
+        init, step, "sgd", SgdState, kept, learning_rate, sparse_why, () if momentum else ("momentum",)
     )
 
 
@@ -903,7 +924,8 @@ def _adam(
         "does (torch.optim.SparseAdam steps sparse ones)"
     )
     buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
-    return _optimizer(init, step, name, AdamState, buffers, learning_rate, sparse_why)
+    unkept = () if amsgrad else ("max_exp_avg_sq",)
+    return _optimizer(init, step, name, AdamState, buffers, learning_rate, sparse_why, unkept)
 
 
 def adam(

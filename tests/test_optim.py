@@ -666,6 +666,48 @@ def test_sgd_with_momentum_refuses_a_state_without_momentum() -> None:
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize(
+    ("make", "made_with", "field", "option"),
+    [
+        (lambda: optim.adam(), lambda: optim.adam(amsgrad=True), "max_exp_avg_sq", "amsgrad=True"),
+        (lambda: optim.adamw(), lambda: optim.adamw(amsgrad=True), "max_exp_avg_sq", "amsgrad=True"),
+        (lambda: optim.sgd(0.1), lambda: optim.sgd(0.1, momentum=0.9), "momentum", "momentum"),
+    ],
+    ids=["adam", "adamw", "sgd"],
+)
+def test_a_state_kept_with_an_option_the_optimizer_lacks_is_refused(
+    make: Callable[[], Any], made_with: Callable[[], Any], field: str, option: str, one_pass: bool
+) -> None:
+    # An amsgrad checkpoint resumed by adam() dropped its largest second moments and went on as
+    # plain Adam, silently; torch.optim's load_state_dict takes the options saved with the
+    # state, and goes on with amsgrad (and SGD with the saved momentum).
+    params = {"w": torch.ones(2)}
+    state = made_with().init(params)
+    opt = make()
+    call = opt.apply_gradients if one_pass else opt.update
+    name = "apply_gradients" if one_pass else "update"
+    with pytest.raises(
+        ValueError,
+        match=rf"^fdp\.optim\.\w+: {name} got a state whose {field} is not None, as init makes it with "
+        rf"{re.escape(option)}, which this optimizer lacks: make the optimizer with {re.escape(option)} to "
+        rf"go on as the state was made, or drop them to go on without: "
+        rf"state\._replace\({field}=None\)$",
+    ):
+        call(params, state, params)
+    dropped = state._replace(**{field: None})  # as the message says
+    fresh = make().init(params)
+    assert_same_trees(call(params, dropped, params), call(params, fresh, params))
+
+
+def assert_same_trees(a: Any, b: Any) -> None:
+    a_leaves, a_spec = optree.tree_flatten(a)
+    b_leaves, b_spec = optree.tree_flatten(b)
+    assert a_spec == b_spec
+    for x, y in zip(a_leaves, b_leaves):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize(
     ("make", "make_state", "kind"),
     [
         # sgd without momentum read only the step count: another optimizer's state passed silently
