@@ -514,3 +514,85 @@ def test_a_backward_that_clamps_its_gradient_needs_each_replicas_share_of_the_ba
     for k in expected:
         torch.testing.assert_close(shared[k], expected[k], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(averaged["first.weight"], expected["first.weight"], atol=1e-4)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_float16_loss_scaling_of_fdp_optim_skips_and_scales_as_grad_scaler_on_one_device(
+    devices: int,
+) -> None:
+    """docs/training.md's float16 step for fdp.optim (each replica's share of the batch's loss,
+    scaled; the psummed gradients unscaled; a non-finite step skipped, the scale halved) against
+    torch.amp.GradScaler over torch.optim.Adam on the whole batch: the same skips and scales
+    step after step, through a scale that overflows float16 and an inf in the last replica's
+    shard alone, and the same parameters to float16's precision. (A large first scale backed
+    off by 2**-8, and growth every 3 steps, keep the other steps off float16's edge, where a
+    shard's partial sums may stay finite when the batch's overflow.)"""
+    init_scale, backoff, growth_interval = 2.0**24, 2.0**-8, 3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    reference = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    reference.load_state_dict(model.state_dict())
+    batches = data(8, 7)
+    batches[5][0][-1, 0] = float("inf")  # a row of the last replica's shard
+
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=init_scale, backoff_factor=backoff, growth_interval=growth_interval
+    )
+    expected = []
+    for x, y in batches:
+        before = [p.detach().clone() for p in reference.parameters()]
+        torch_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = reference(x)
+        scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+        scaler.step(torch_opt)
+        scaler.update()
+        skipped = all(torch.equal(b, p) for b, p in zip(before, reference.parameters()))
+        expected.append((skipped, scaler.get_scale()))
+    assert [skipped for skipped, _ in expected] == [True, False, False, False, False, True, False, False]
+
+    opt = optim.adam(1e-2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fdp.device_put_replicated(
+        {
+            "params": params,
+            "opt": opt.init(params),
+            "scale": torch.tensor(init_scale),
+            "good_steps": torch.tensor(0),
+        },
+        cpus(devices),
+    )
+
+    @fdp.pmap(axis_name="batch", devices=cpus(devices), split="balanced", out_axes=(fdp.PER_REPLICA, None))
+    def train_step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+        scale, rows = state["scale"], fdp.psum(x.shape[0], "batch")
+
+        def scaled_loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = fdp.functional_call(model, params, (x,))
+            return F.cross_entropy(logits.float(), y, reduction="sum") / rows * scale
+
+        grads = fdp.psum(fdp.grad(scaled_loss)(state["params"]), "batch")
+        grads = {k: g / scale for k, g in grads.items()}
+        if not all(bool(g.isfinite().all()) for g in grads.values()):
+            return {
+                **state,
+                "scale": scale * backoff,
+                "good_steps": torch.zeros_like(state["good_steps"]),
+            }, False
+        params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+        good_steps = state["good_steps"] + 1
+        if good_steps == growth_interval:
+            scale, good_steps = scale * 2, torch.zeros_like(good_steps)
+        return {"params": params, "opt": opt_state, "scale": scale, "good_steps": good_steps}, True
+
+    for step, ((x, y), (skipped, scale)) in enumerate(zip(batches, expected)):
+        state, stepped = train_step(state, x, y)
+        assert stepped is not skipped, step
+        for r in range(devices):
+            assert float(fdp.unreplicate(state, r)["scale"]) == scale, (step, r)
+    for r in range(devices):
+        final = fdp.unreplicate(state, r)["params"]
+        for k, v in reference.named_parameters():
+            torch.testing.assert_close(final[k], v.detach(), atol=2e-4, rtol=1e-3, msg=k)
