@@ -616,7 +616,7 @@ def run_replicas(
                 # a replica run inline enters it again, in case replica 0 changed it.
                 with (
                     _replica.entered(context),
-                    _thread_state.applied(state) if i > 0 else _NULL_CONTEXT,
+                    _thread_state.applied(state, again=inline) if i > 0 else _NULL_CONTEXT,
                     # The replica's global index: across processes, each replica draws its own.
                     _random.replica_scope(rng_seed, group.offset + i),
                 ):
@@ -826,7 +826,7 @@ def _run_in_caller(
             # Every replica but the first enters the caller's state again, in case the one
             # before changed it, as a worker would.
             with (
-                _thread_state.applied(state) if i else _NULL_CONTEXT,
+                _thread_state.applied(state, again=True) if i else _NULL_CONTEXT,
                 _random.replica_scope(rng_seed, i),
             ):
                 results.append(state.context.copy().run(replica) if i else replica())

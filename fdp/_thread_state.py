@@ -217,23 +217,35 @@ class applied:
 
     A class with a short path for the usual state (grad mode only, no autocast, inference mode,
     hooks or rare switches): this runs for every replica of every call.
+
+    ``again``: the thread is the caller's, which has run replicas of this call before (replica
+    0, or others run inline), and any of them may have left autocast set there
+    (``torch.set_autocast_enabled``, an autocast never left, ``torch.set_autocast_dtype``,
+    the cache flag). Entering ``state`` sets only what the caller had, so such leftovers are
+    put back to the caller's values too, for the block: a replica computes in the caller's
+    precision whichever thread runs it. (A worker's thread is taken back to a fresh one after
+    each replica instead, see :func:`restore`.)
     """
 
-    __slots__ = ("_state", "_stack", "_grad")
+    __slots__ = ("_state", "_stack", "_grad", "_again")
 
-    def __init__(self, state: ThreadState) -> None:
+    def __init__(self, state: ThreadState, *, again: bool = False) -> None:
         self._state = state
         self._stack: contextlib.ExitStack | None = None
+        self._again = again
 
     def __enter__(self) -> None:
         state = self._state
         if torch.get_num_threads() != state.num_threads:
             torch.set_num_threads(state.num_threads)  # kept: the worker follows its callers
         self._grad = torch.is_grad_enabled()
-        if state.plain:
+        moved = self._again and _autocast_moved(state)
+        if state.plain and not moved:
             torch._C._set_grad_enabled(state.grad_enabled)
             return
         stack = self._stack = contextlib.ExitStack()
+        if moved:
+            _autocast_back(state, stack)
         if state.inference_mode:
             stack.enter_context(torch.inference_mode(True))
         stack.enter_context(torch.set_grad_enabled(state.grad_enabled))
@@ -252,6 +264,57 @@ class applied:
             self._stack.close()
         else:
             torch._C._set_grad_enabled(self._grad)
+
+
+def _autocast_moved(state: ThreadState) -> bool:
+    """Whether this thread's autocast differs from ``state``'s: enabled device types and their
+    dtypes, the cache flag, and the dtypes of ``_CARRIED_DTYPES`` (a handful of reads)."""
+    fresh_dtypes = _fresh_dtypes or _fresh_autocast_dtypes()
+    if not (state.autocast or state.autocast_dtypes):  # the usual case, read as capture() reads it
+        return (
+            torch._C._is_any_autocast_enabled()  # type: ignore[attr-defined]
+            or not torch.is_autocast_cache_enabled()
+            or torch.get_autocast_dtype("cpu") is not fresh_dtypes[0]
+            or (len(fresh_dtypes) > 1 and torch.get_autocast_dtype("cuda") is not fresh_dtypes[1])
+        )
+    if torch._C._is_any_autocast_enabled():  # type: ignore[attr-defined]
+        enabled = tuple(
+            (t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
+        )
+        if enabled != state.autocast:
+            return True
+    elif state.autocast:
+        return True
+    if torch.is_autocast_cache_enabled() != state.autocast_cache:
+        return True
+    wanted = dict(state.autocast_dtypes)
+    return any(
+        torch.get_autocast_dtype(t) is not wanted.get(t, fresh)
+        for t, fresh in zip(_CARRIED_DTYPES, fresh_dtypes)
+        if not torch.is_autocast_enabled(t)
+    )
+
+
+def _autocast_back(state: ThreadState, stack: contextlib.ExitStack) -> None:
+    """Puts this thread's autocast back to ``state``'s where a replica left it otherwise, each
+    change undone by ``stack``: the device types ``state`` has off are switched off, and the
+    dtypes and the cache flag go back to ``state``'s (or a fresh thread's), so that an autocast
+    the replica enters without them takes the caller's. ``applied`` then enters the device
+    types ``state`` has on."""
+    enabled = dict(state.autocast)
+    wanted: dict[str, torch.dtype] = dict(zip(_CARRIED_DTYPES, _fresh_dtypes or _fresh_autocast_dtypes()))
+    wanted.update(state.autocast_dtypes)
+    for t in _AUTOCAST_DEVICE_TYPES:
+        if t not in enabled and torch.is_autocast_enabled(t):
+            stack.callback(torch.set_autocast_enabled, t, True)
+            torch.set_autocast_enabled(t, False)
+        dtype = wanted.get(t)
+        if dtype is not None and t not in enabled and torch.get_autocast_dtype(t) is not dtype:
+            stack.callback(torch.set_autocast_dtype, t, torch.get_autocast_dtype(t))
+            torch.set_autocast_dtype(t, dtype)
+    if torch.is_autocast_cache_enabled() != state.autocast_cache:
+        stack.callback(torch.set_autocast_cache_enabled, not state.autocast_cache)
+        torch.set_autocast_cache_enabled(state.autocast_cache)
 
 
 # The rare switches that are plain booleans, as (read, write): in Rare's and Fresh's order.

@@ -466,3 +466,59 @@ def _queued_behind() -> bool:
 
     worker = _pool._WORKERS.get((torch.device("cpu"), 1))
     return worker is not None and not worker.tasks.empty()
+
+
+AUTOCAST_LEFT_SET = {
+    "set_autocast_enabled": lambda: torch.set_autocast_enabled("cpu", True),
+    "set_autocast_dtype": lambda: torch.set_autocast_dtype("cpu", torch.float16),
+    "autocast never left": leave_autocast,
+    "cache off": lambda: torch.set_autocast_cache_enabled(False),
+}
+
+
+@pytest.mark.parametrize("outer", [None, torch.bfloat16], ids=["no_autocast", "bfloat16_autocast"])
+@pytest.mark.parametrize("axis_name", [None, "i"])
+@pytest.mark.parametrize("leave", list(AUTOCAST_LEFT_SET))
+def test_replicas_run_in_the_caller_start_with_its_autocast_not_the_last_replicas(
+    leave: str, axis_name: str | None, outer: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small replicas run one after another in the caller's thread, where the replica before
+    may leave autocast set: each entered the caller's state again only where the caller had
+    autocast or a dtype of its own, so under none a replica computed in float16 or
+    bfloat16 (its matmul's dtype) where the same replica on a worker computed in float32, and
+    the result depended on which thread ran it."""
+    from fdp import _pool
+
+    monkeypatch.setattr(_pool, "INLINE_REPLICAS", True)
+    monkeypatch.setattr(_pool, "_wake_seconds", 1.0)  # any replica is "small": all run inline
+    seen: dict[int, tuple[object, ...]] = {}
+
+    def f(x):
+        seen[int(x[0, 0])] = (
+            threading.current_thread().name,
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled(),
+            (x @ x.T).dtype,
+        )
+        AUTOCAST_LEFT_SET[leave]()
+        return x
+
+    mapped = fdp.pmap(f, devices=cpus(3), axis_name=axis_name)
+    expected: list[tuple[object, ...]] = []
+
+    def call() -> None:  # in a thread of its own: replica 0 leaves the state in the caller's
+        name = threading.current_thread().name
+        with torch.autocast("cpu", dtype=outer or torch.bfloat16, enabled=outer is not None):
+            expected.append((name, outer is not None, outer or torch.bfloat16, True, outer or torch.float32))
+            for _ in range(2):  # the first call times replica 0, the second runs all inline
+                seen.clear()
+                mapped(torch.arange(3.0)[:, None].expand(3, 2).contiguous())
+                torch.set_autocast_enabled("cpu", outer is not None)  # what replica 0 left
+                torch.set_autocast_dtype("cpu", outer or torch.bfloat16)
+                torch.set_autocast_cache_enabled(True)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert seen == {i: expected[0] for i in range(3)}
