@@ -219,12 +219,14 @@ class applied:
     hooks or rare switches): this runs for every replica of every call.
 
     ``again``: the thread is the caller's, which has run replicas of this call before (replica
-    0, or others run inline), and any of them may have left autocast set there
+    0, or others run inline), and any of them may have left state set there: autocast
     (``torch.set_autocast_enabled``, an autocast never left, ``torch.set_autocast_dtype``,
-    the cache flag). Entering ``state`` sets only what the caller had, so such leftovers are
-    put back to the caller's values too, for the block: a replica computes in the caller's
-    precision whichever thread runs it. (A worker's thread is taken back to a fresh one after
-    each replica instead, see :func:`restore`.)
+    the cache flag), saved-tensor hooks pushed and never popped, or a rare switch (forward AD
+    or autograd multithreading off, saved-tensor hooks disabled). Entering ``state`` sets only
+    what the caller had, so such leftovers are put back to the caller's values too, for the
+    block: a replica computes in the caller's precision, with its hooks, whichever thread runs
+    it. (A worker's thread is taken back to a fresh one after each replica instead, see
+    :func:`restore`.)
     """
 
     __slots__ = ("_state", "_stack", "_grad", "_again")
@@ -240,12 +242,15 @@ class applied:
             torch.set_num_threads(state.num_threads)  # kept: the worker follows its callers
         self._grad = torch.is_grad_enabled()
         moved = self._again and _autocast_moved(state)
-        if state.plain and not moved:
+        others = self._again and _others_moved(state)
+        if state.plain and not (moved or others):
             torch._C._set_grad_enabled(state.grad_enabled)
             return
         stack = self._stack = contextlib.ExitStack()
         if moved:
             _autocast_back(state, stack)
+        if others:  # before the caller's hooks are pushed below, which a disabling would refuse
+            _others_back(state, stack)
         if state.inference_mode:
             stack.enter_context(torch.inference_mode(True))
         stack.enter_context(torch.set_grad_enabled(state.grad_enabled))
@@ -315,6 +320,50 @@ def _autocast_back(state: ThreadState, stack: contextlib.ExitStack) -> None:
     if torch.is_autocast_cache_enabled() != state.autocast_cache:
         stack.callback(torch.set_autocast_cache_enabled, not state.autocast_cache)
         torch.set_autocast_cache_enabled(state.autocast_cache)
+
+
+# The rare switches at their defaults: what a caller whose ``ThreadState.rare`` is None has.
+_DEFAULT_RARE = Rare(
+    fwd_grad_enabled=True,
+    saved_tensors_hooks_disabled=None,
+    multithreading_enabled=True,
+    view_replay_enabled=False,
+    torch_function_disabled=0,
+)
+
+
+def _others_moved(state: ThreadState) -> bool:
+    """Whether this thread's saved-tensor hooks or rare switches differ from ``state``'s."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)  # type: ignore[attr-defined]
+    return top != state.saved_tensors_hooks or _rare() != state.rare
+
+
+def _others_back(state: ThreadState, stack: contextlib.ExitStack) -> None:
+    """Puts this thread's saved-tensor hooks and rare switches back to ``state``'s where a
+    replica left them otherwise, each change undone by ``stack``: hooks pushed above the
+    caller's are popped (and pushed again after the block), the switches set to ``state``'s.
+    (A ``DisableTorchFunction`` left entered cannot be left from here; it stays.)"""
+    autograd = torch._C._autograd
+    message = autograd._saved_tensors_hooks_get_disabled_error_message()  # type: ignore[attr-defined]
+    wanted = state.rare or _DEFAULT_RARE
+    if message is not None and wanted.saved_tensors_hooks_disabled is None:
+        autograd._saved_tensors_hooks_enable()  # type: ignore[attr-defined]
+        stack.callback(autograd._saved_tensors_hooks_disable, message, False)  # type: ignore[attr-defined]
+    popped: list[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = []
+    while True:
+        top = autograd._top_saved_tensors_default_hooks(False)  # type: ignore[attr-defined]
+        if top is None or top == state.saved_tensors_hooks:
+            break
+        popped.append(top)
+        autograd._pop_saved_tensors_default_hooks()  # type: ignore[attr-defined]
+
+    def push_back() -> None:
+        for pack, unpack in reversed(popped):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)  # type: ignore[attr-defined]
+
+    if popped:
+        stack.callback(push_back)
+    _enter_rare(wanted, stack)
 
 
 # The rare switches that are plain booleans, as (read, write): in Rare's and Fresh's order.

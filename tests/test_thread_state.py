@@ -468,57 +468,58 @@ def _queued_behind() -> bool:
     return worker is not None and not worker.tasks.empty()
 
 
-AUTOCAST_LEFT_SET = {
-    "set_autocast_enabled": lambda: torch.set_autocast_enabled("cpu", True),
-    "set_autocast_dtype": lambda: torch.set_autocast_dtype("cpu", torch.float16),
-    "autocast never left": leave_autocast,
-    "cache off": lambda: torch.set_autocast_cache_enabled(False),
+# What a replica may leave set in the caller's thread that a replica run there after it could
+# see: all of LEFT_SET but a function mode (set_default_device), which is never run inline.
+INLINE_LEFT_SET = {
+    **{name: leave for name, leave in LEFT_SET.items() if name != "set_default_device"},
+    "autocast cache off": lambda: torch.set_autocast_cache_enabled(False),
 }
 
 
 @pytest.mark.parametrize("outer", [None, torch.bfloat16], ids=["no_autocast", "bfloat16_autocast"])
 @pytest.mark.parametrize("axis_name", [None, "i"])
-@pytest.mark.parametrize("leave", list(AUTOCAST_LEFT_SET))
-def test_replicas_run_in_the_caller_start_with_its_autocast_not_the_last_replicas(
+@pytest.mark.parametrize("leave", list(INLINE_LEFT_SET))
+def test_replicas_run_in_the_caller_start_with_its_state_not_the_last_replicas(
     leave: str, axis_name: str | None, outer: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Small replicas run one after another in the caller's thread, where the replica before
-    may leave autocast set: each entered the caller's state again only where the caller had
-    autocast or a dtype of its own, so under none a replica computed in float16 or
-    bfloat16 (its matmul's dtype) where the same replica on a worker computed in float32, and
-    the result depended on which thread ran it."""
+    may leave state set: each entered the caller's state again only where the caller had
+    autocast, hooks or a rare switch of its own, so without them a replica computed in
+    float16 (its matmul's dtype), saved its tensors through another replica's hooks or ran
+    with forward AD off, where the same replica on a worker did not: the result depended on
+    which thread ran it."""
     from fdp import _pool
 
     monkeypatch.setattr(_pool, "INLINE_REPLICAS", True)
     monkeypatch.setattr(_pool, "_wake_seconds", 1.0)  # any replica is "small": all run inline
     seen: dict[int, tuple[object, ...]] = {}
 
-    def f(x):
-        seen[int(x[0, 0])] = (
+    def view() -> tuple[object, ...]:
+        x = torch.ones(2, 2)
+        return (
             threading.current_thread().name,
-            torch.is_autocast_enabled("cpu"),
-            torch.get_autocast_dtype("cpu"),
+            *worker_view(),
             torch.is_autocast_cache_enabled(),
-            (x @ x.T).dtype,
+            torch.is_grad_enabled(),
+            (x @ x).dtype,
         )
-        AUTOCAST_LEFT_SET[leave]()
+
+    def f(x):
+        seen[int(x[0, 0])] = view()
+        INLINE_LEFT_SET[leave]()
         return x
 
     mapped = fdp.pmap(f, devices=cpus(3), axis_name=axis_name)
     expected: list[tuple[object, ...]] = []
 
     def call() -> None:  # in a thread of its own: replica 0 leaves the state in the caller's
-        name = threading.current_thread().name
         with torch.autocast("cpu", dtype=outer or torch.bfloat16, enabled=outer is not None):
-            expected.append((name, outer is not None, outer or torch.bfloat16, True, outer or torch.float32))
-            for _ in range(2):  # the first call times replica 0, the second runs all inline
-                seen.clear()
-                mapped(torch.arange(3.0)[:, None].expand(3, 2).contiguous())
-                torch.set_autocast_enabled("cpu", outer is not None)  # what replica 0 left
-                torch.set_autocast_dtype("cpu", outer or torch.bfloat16)
-                torch.set_autocast_cache_enabled(True)
+            expected.append(view())
+            seen.clear()
+            mapped(torch.arange(3.0)[:, None].expand(3, 2).contiguous())
 
-    thread = threading.Thread(target=call)
-    thread.start()
-    thread.join()
-    assert seen == {i: expected[0] for i in range(3)}
+    for _ in range(2):  # the first call times replica 0, the second runs all three inline
+        thread = threading.Thread(target=call, name="caller")
+        thread.start()
+        thread.join()
+    assert seen == {i: expected[-1] for i in range(3)}
