@@ -37,6 +37,9 @@ INTERNALS: dict[str, str] = {
     "torch._C._set_grad_enabled": "grad mode set in a replica's thread (every replica)",
     "torch._C._autograd._top_saved_tensors_default_hooks": "the caller's saved-tensor hooks",
     "torch._C._autograd._pop_saved_tensors_default_hooks": "hooks a replica left pushed",
+    "torch._C._autograd._push_saved_tensors_default_hooks": "(and pushed again after the next)",
+    "torch._C.is_grad_enabled": "a worker's state after a replica, against a fresh thread's",
+    "torch._C.is_inference_mode_enabled": "(the same)",
     "torch._C._autograd._saved_tensors_hooks_get_disabled_error_message": "hooks disabled?",
     "torch._C._autograd._saved_tensors_hooks_disable": "hooks disabled in a replica",
     "torch._C._autograd._saved_tensors_hooks_enable": "and enabled again after it",
@@ -78,6 +81,7 @@ INTERNALS: dict[str, str] = {
     "torch._dynamo.error_on_graph_break": "fdp.functional_call traced in one piece",
     # _random: fdp.rng_scope.
     "torch._cudnn_init_dropout_state": "a cuDNN RNN dropout state seeded from the scope",
+    "torch.ops.aten._cudnn_rnn": "a cuDNN RNN's dropout, routed to the scope's state",
     "torch.utils._python_dispatch.TorchDispatchMode": "the scope's mode (at import)",
     "torch.ops.aten.rand.default._schema": "an op's generator, dropout_p, dropout, train, dropout_state",
     # _optim: the transforms' arithmetic, over all leaves at once.
@@ -142,12 +146,36 @@ def test_a_missing_internal_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert missing(["torch._C._no_such_internal"]) == ["torch._C._no_such_internal (?)"]
 
 
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None for anything but names and attributes."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
 def _private_names_in(source: str) -> set[str]:
     """Dotted names rooted at ``torch`` with a private part, as fdp's code (not its comments
-    or strings) reads them, longest first; and private names imported from torch's modules."""
+    or strings) reads them, longest first, also through an alias (``C = torch._C``, then
+    ``C._x``); and private names imported from torch's modules."""
     found: set[str] = set()
     inner: set[int] = set()  # the chains inside a longer one
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    # Names bound to torch or to an object in it, anywhere in the file (fdp's aliases are
+    # short-lived locals of one meaning each: C is torch._C wherever it is bound).
+    # (Aliases of aliases too: autograd = C._autograd.)
+    roots = {"torch": ["torch"]}
+    assigned = [
+        (node.targets[0].id, _dotted(node.value))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+    ]
+    for _ in range(3):
+        roots.update(
+            {name: [*roots[path[0]], *path[1:]] for name, path in assigned if path and path[0] in roots}
+        )
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             for alias in node.names:
                 path = f"{node.module}.{alias.name}"
@@ -160,8 +188,8 @@ def _private_names_in(source: str) -> set[str]:
             inner.add(id(value))
             parts.append(value.attr)
             value = value.value
-        if isinstance(value, ast.Name) and value.id == "torch":
-            path = ".".join(["torch", *reversed(parts)])
+        if isinstance(value, ast.Name) and value.id in roots:
+            path = ".".join([*roots[value.id], *reversed(parts)])
             if any(p.startswith("_") and not p.startswith("__") for p in path.split(".")):
                 found.add(path)
     return found
