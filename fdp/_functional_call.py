@@ -86,6 +86,12 @@ class _Skeleton:
             self._copies[id(original)] = (ref, copy)
         self.root = self._copies[id(root)][1]
         self.original = self._pairs[0][0]  # the module it copies (named_modules gives it first)
+        # A parametrized module's class is made for it alone (torch.nn.utils.parametrize), and
+        # the properties it injects there close over the module: a copy, an instance of that
+        # class, refers to the module through its type, which no emptying takes back. Kept in
+        # the free list (a value of the weak dictionary keyed by the module), such a skeleton
+        # would keep the module, and its tensors, alive for as long as the process runs.
+        self.reusable = not any(map(parametrize.is_parametrized, modules.values()))
         # Each copy's name in the tree (as named_modules gives it), for messages.
         self.names = list(modules)
         self._copy_list = [copy for _, copy in self._pairs]
@@ -615,7 +621,7 @@ def _release(
     # An idle skeleton holds nothing: its copies' state (hook dicts, attribute values) could
     # otherwise refer back to the module and keep it, and the weak cache entry, alive forever.
     skeleton.clear(released=captured)
-    if captured:
+    if captured or not skeleton.reusable:
         return
     with _FREE_LOCK:
         free = _FREE.setdefault(module, [])

@@ -734,6 +734,17 @@ def test_skeletons_die_with_a_module_that_refers_to_itself() -> None:
     assert ref() is None
 
 
+def test_skeletons_die_with_a_parametrized_module() -> None:
+    # torch.nn.utils.parametrize gives the module a class of its own whose properties close
+    # over it: a skeleton's copy, of that class, refers to the module through its type.
+    net = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+    fdp.functional_call(net, dict(net.named_parameters()), (torch.randn(2, 4),)).sum().backward()
+    refs = [weakref.ref(net), weakref.ref(net.parametrizations.weight.original0)]
+    del net
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_grad_through_functional_call() -> None:
     net = nn.Linear(3, 1)
     params = {k: v.detach().requires_grad_() for k, v in net.named_parameters()}
