@@ -22,6 +22,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -76,12 +77,16 @@ def always_leaf(cls: type) -> None:
 
 
 # Other types found to be leaves. A user may register one with optree later, so this cache is
-# emptied whenever the types registered with optree change.
-_SEEN_LEAF_TYPES: set[type] = set()
+# emptied whenever the types registered with optree change. Weak: a class made at run time (one
+# defined inside a function, or a parametrized module's, which torch.nn.utils.parametrize makes
+# for that module alone and whose properties close over it) must not be kept, with all that it
+# refers to, for as long as the process runs, nor pile up call after call.
+_SEEN_LEAF_TYPES: weakref.WeakSet[type] = weakref.WeakSet()
 _seen_generation: tuple[int, Any] | None = None
 # Dataclasses that cannot be rebuilt from their fields (no generated __init__, InitVars): they
 # stay leaves, and splitting one that holds tensors is an error (see unsplittable_reason).
-OPAQUE_DATACLASSES: dict[type, str] = {}
+# Weak, as the leaf types above are.
+OPAQUE_DATACLASSES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import io
 import threading
+import weakref
 from collections import OrderedDict, UserDict, namedtuple
 from typing import Any
 
@@ -301,6 +302,18 @@ def test_data_swapped_out_of_parameters_shared_as_they_are_is_not_kept_alive() -
     model.module.half()
     collect_when_workers_rest()
     assert all(ref.expired() for ref in old)
+
+
+def test_a_parametrized_module_dies_with_its_data_parallel() -> None:
+    # The module goes to the replicas as a leaf of the arguments' tree, and its class, made by
+    # parametrize for it alone, closes over it: fdp's cache of leaf types must not keep it.
+    net = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+    model = fdp.DataParallel(net, device_ids=cpus(2))
+    model(torch.randn(6, 4)).sum().backward()
+    refs = [weakref.ref(net), weakref.ref(net.parametrizations.weight.original1)]
+    del net, model
+    collect_when_workers_rest()
+    assert [r() for r in refs] == [None, None]
 
 
 def test_parameters_are_visible_inside_forward() -> None:

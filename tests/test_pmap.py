@@ -1885,3 +1885,24 @@ def test_a_later_leaf_that_cannot_be_split_like_the_first_is_named(
     # the others; a leaf it refuses gets the general path's message.
     with pytest.raises(ValueError, match=f"(?s){match}"):
         fdp.pmap(lambda a, b: a, devices=cpus(2))(first, second)
+
+
+@pytest.mark.parametrize("kind", ["class", "dataclass without __init__"])
+def test_a_leaf_of_a_class_made_at_run_time_is_not_kept(kind: str) -> None:
+    """A class made inside a function (a config built per run, with a tensor in a class
+    attribute) whose instance a call gets whole: fdp remembers which types are leaves (and
+    which dataclasses it cannot rebuild), but must not keep the class, and what it refers to,
+    once the program has let it go."""
+
+    def run() -> tuple[weakref.ref[type], weakref.ref[torch.Tensor]]:
+        table = torch.randn(3)
+        cls = type("Config", (), {"table": table})
+        if kind != "class":
+            cls = dataclasses.dataclass(init=False)(cls)
+        config = cls()
+        fdp.pmap(lambda c, x: x + c.table[0], in_axes=(None, 0), devices=cpus(2))(config, torch.ones(4))
+        return weakref.ref(type(config)), weakref.ref(table)
+
+    refs = run()
+    collect_when_workers_rest()
+    assert [r() for r in refs] == [None, None]
