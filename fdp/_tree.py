@@ -678,6 +678,13 @@ class LastStructure:
             along, kept = last[4], last[3]
         else:
             along, kept = _flattens_along(spec), None
+            if not along and _holds_tensors(spec):
+                # A tensor in a node's data (a dataclass's non-node field): kept with the
+                # structure, it would stay alive, with its memory, for as long as the caller
+                # lives (a pmapped function, after its last call); nor is such a structure
+                # cached elsewhere (see SpecCache).
+                self._last = None
+                return leaves, spec, None, True
         self._last = (spec, types, generation, kept, along)
         return leaves, spec, kept, True
 

@@ -1906,3 +1906,24 @@ def test_a_leaf_of_a_class_made_at_run_time_is_not_kept(kind: str) -> None:
     refs = run()
     collect_when_workers_rest()
     assert [r() for r in refs] == [None, None]
+
+
+@dataclasses.dataclass
+class _Masked:
+    x: torch.Tensor
+    mask: torch.Tensor = dataclasses.field(metadata={"pytree_node": False})
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_tensor_in_a_non_node_field_is_not_kept_after_the_call(n: int) -> None:
+    """A pmapped function remembers its last call's structures, whose node data holds a
+    dataclass's non-node fields: a tensor there (of the arguments, or of a lone replica's
+    output) must not stay alive with the function once the caller has let it go."""
+    f = fdp.pmap(lambda b: _Masked(b.x * b.mask.sum(), b.mask), devices=cpus(n), out_axes=None)
+    batch = _Masked(torch.ones(4, 3), torch.ones(5))
+    out = f(batch)
+    refs = [weakref.ref(batch.mask), weakref.ref(out.mask)]
+    del batch, out
+    collect_when_workers_rest()
+    assert [r() for r in refs] == [None, None]
+    assert f(_Masked(torch.ones(4, 3), torch.ones(2))).x[0, 0] == 2  # and calls still work
