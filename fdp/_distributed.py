@@ -219,11 +219,17 @@ class _Communicator:
             if item is None:
                 return
             work, box, done = item
+            del item
             try:
                 box.append((True, work()))
             except BaseException as error:  # noqa: BLE001 - handed to the caller
                 box.append((False, error))
             finally:
+                # Dropped before the caller is let go: left in this frame while it waits for
+                # the next task, they would hold the last collective's tensors (its packed
+                # gradients, what it returned, a failure's traceback) until then, or for good
+                # after the last one.
+                del work, box
                 done.set()
 
     def call(self, work: Callable[[], Any], device: torch.device | None = None) -> Any:

@@ -7,9 +7,11 @@ in a quick local run; CI runs them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import enum
+import gc
 import json
 import math
 import re
@@ -18,6 +20,7 @@ import sys
 import textwrap
 import threading
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +265,35 @@ def test_a_rank_interrupted_in_a_collective_exits_cleanly(tmp_path: Path) -> Non
     assert results[0] == {"first": [2.0, 2.0], "interrupted": True}, results
     assert results[1]["late"]["error"] == "RankFailed", results
     assert "rank 0 failed" in results[1]["late"]["message"], results
+
+
+def test_the_communicator_keeps_nothing_of_a_finished_call() -> None:
+    """The communicator thread waits for its next task holding nothing of the last one: not
+    the tensors its work closed over, nor what it returned, nor a failure's traceback."""
+    communicator = _distributed._Communicator()
+    try:
+        refs: list[weakref.ref[torch.Tensor]] = []
+
+        def issue(fail: bool) -> None:
+            sent = torch.ones(1000)
+            refs.append(weakref.ref(sent))
+
+            def work() -> torch.Tensor:
+                received = sent * 2
+                refs.append(weakref.ref(received))
+                if fail:
+                    raise ValueError("the collective failed")
+                return received
+
+            with contextlib.suppress(ValueError):
+                communicator.call(work)
+
+        issue(fail=False)
+        issue(fail=True)
+        gc.collect()
+        assert [r() for r in refs] == [None] * 4
+    finally:
+        communicator.close(timeout=2.0)
 
 
 def test_process_group_calls_after_the_exit_stopped_the_communicator_run_in_place() -> None:
