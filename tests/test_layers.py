@@ -44,7 +44,10 @@ def check_against_one_device(
     scalar_loss(expected).backward()
     assert_trees_close(out, expected, atol=atol, rtol=1e-4)
     for name, p in module.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=1e-4, msg=name)
+        # A gradient is a sum over the batch, rounded in another order on each side: by ulps of
+        # its largest entries, which a small entry's rtol does not cover (a conv weight's, ~80).
+        scale = max(1.0, p.grad.abs().max().item())
+        torch.testing.assert_close(grads[name], p.grad, atol=atol * scale, rtol=1e-4, msg=name)
     if x.is_floating_point():
         torch.testing.assert_close(x.grad, x_ref.grad, atol=atol, rtol=1e-4)
 
