@@ -785,9 +785,16 @@ def functional_call(
                 )
             if skeleton.by_path is None:  # (worked out, it says the tree has no parametrization)
                 _own_originals(skeleton.root, params)
-            return torch.func.functional_call(
+            context = _replica.current()
+            # The own buffers race here as below: a spectral_norm parametrization's power
+            # iteration updates its _u and _v in place in training mode.
+            shared = _own_buffers(skeleton, params) if context is not None and context.size > 1 else None
+            result = torch.func.functional_call(
                 skeleton.root, params, args, kwargs, tie_weights=tie_weights, strict=strict
             )
+            if shared:
+                _check_own_buffers(shared, context)
+            return result
         keep = True
         context = _replica.current()
         # Replicas running at once share the module's own buffers (those params does not give):
@@ -813,7 +820,9 @@ _Swapped = list[tuple[str, dict[str, Any], str, Any]]
 def _own_buffers(skeleton: _Skeleton, params: Any) -> list[tuple[str, torch.Tensor, int]]:
     """The module's own buffers in the skeleton (those ``params`` does not give), with their
     names and version counters, after the swap."""
-    given = {id(value) for value in params.values()}
+    # (A sequence of dicts, which torch.func.functional_call also takes, gives each dict's.)
+    groups = params if isinstance(params, (list, tuple)) else [params]
+    given = {id(value) for group in groups if isinstance(group, dict) for value in group.values()}
     own = []
     for prefix, copy in zip(skeleton.names, skeleton._copy_list):
         # Buffers a layer's replicas update with one same value each (fdp.SyncBatchNorm's

@@ -944,6 +944,30 @@ def test_replicas_changing_the_modules_own_buffers_in_place_is_an_error() -> Non
     assert int(model[1].num_batches_tracked) == 1
 
 
+def test_a_parametrization_changing_the_modules_own_buffers_in_place_is_an_error() -> None:
+    # A parametrized module goes through torch.func.functional_call's own swap: spectral_norm's
+    # power iteration, in training mode, updated the shared _u and _v from every replica at once,
+    # with no error (each replica's outputs then depended on how many iterations the others ran).
+    model = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4))
+    params = dict(model.named_parameters())
+    x = torch.randn(8, 3)
+    f = fdp.pmap(lambda p, x: fdp.functional_call(model, p, (x,)), in_axes=(None, 0), devices=["cpu"] * 2)
+    with pytest.raises(
+        RuntimeError,
+        match=r"fdp.functional_call: forward changed the module's own buffers "
+        r"'parametrizations\.weight\.0\._u', 'parametrizations\.weight\.0\._v' in place, in replica \d of 2",
+    ):
+        f(params, x)
+    # Given (here in a sequence of dicts), they are the caller's: pmap's own check names them.
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.raises(
+        RuntimeError, match=r"modified args\[0\]\[1\]\['parametrizations\.weight\.0\._u'\] in place"
+    ):
+        f([params, buffers], x)
+    model.eval()  # no power iteration
+    torch.testing.assert_close(f(params, x), model(x))
+
+
 def test_own_buffers_made_in_inference_mode_are_no_error_in_replicas() -> None:
     # Inference tensors keep no version counter: reading one raised "Inference tensors do not
     # track version counter" on every call of several replicas, where fdp's check looked.
