@@ -678,7 +678,17 @@ class Pmapped(Generic[P, R]):
                 if advice is None and self.is_module and paths[k].startswith("params"):
                     # A pmapped module's tensors: its caller cannot return new values for them
                     # (the module's forward is the whole mapped function), so say what can.
-                    advice = _MODULE_IN_PLACE_ADVICE
+                    # For a parameter (an nn.Embedding with max_norm renormalizes the rows it
+                    # looks up, in either mode) the advice for buffers would mislead: evaluation
+                    # mode changes nothing, and fdp.DataParallel refuses it too.
+                    changed = [leaf for part in parts for leaf in _tree.flatten(part)[0]][k]
+                    names = {n for n, _ in self.fn.named_parameters(remove_duplicate=False)}  # type: ignore[attr-defined]
+                    given = parts[0].items() if isinstance(parts[0], dict) else ()
+                    advice = (
+                        _MODULE_PARAMETER_IN_PLACE_ADVICE
+                        if any(v is changed and name in names for name, v in given)
+                        else _MODULE_IN_PLACE_ADVICE
+                    )
                 raise RuntimeError(
                     f"{self._caller}: the replicas modified {paths[k]} in place, but it is "
                     f"replicated (axis None) over {len(copies)} replicas, which share it on one "
@@ -700,6 +710,13 @@ _MODULE_IN_PLACE_ADVICE = (
     "a copy of the buffers, written back after the call (give it axis_name= for fdp.SyncBatchNorm "
     "layers); or pmap a function that calls the module with fdp.stateful_call(model, params, "
     "buffers, args) and returns the new buffers with its output."
+)
+
+# What a pmapped module whose forward changes one of its parameters in place can do instead.
+_MODULE_PARAMETER_IN_PLACE_ADVICE = (
+    "It is one of the module's parameters, which its forward changes (an nn.Embedding with "
+    "max_norm renormalizes the rows it looks up, in either mode): change parameters outside "
+    "forward (after the optimizer step, under torch.no_grad()), or run such a module on one device."
 )
 
 

@@ -1349,6 +1349,19 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"forward changes them \(an nn.Embedding with max_norm\) on one device\.$",
     ),
     (
+        # The advice for buffers (evaluation mode, fdp.DataParallel, fdp.stateful_call) was
+        # given for a parameter too, where none of it helps.
+        "a pmapped module whose forward changes its tensors in place",  # a parameter, in evaluation mode
+        lambda: (torch.tensor([0, 1, 2, 3]),),
+        lambda a: fdp.pmap(renormalizing_embedding().eval(), devices=cpus(2))({}, *a),
+        RuntimeError,
+        r"^fdp.pmap\(Embedding\): the replicas modified params\['weight'\] in place, but it is "
+        r"replicated \(axis None\) over 2 replicas, .* the updates race or are lost\. It is one of "
+        r"the module's parameters, which its forward changes \(an nn.Embedding with max_norm "
+        r"renormalizes the rows it looks up, in either mode\): change parameters outside forward "
+        r"\(after the optimizer step, under torch.no_grad\(\)\), or run such a module on one device\.$",
+    ),
+    (
         "DataParallel on several devices of a lazy module not set up yet",
         lambda: (torch.ones(4, 5),),
         lambda a: fdp.DataParallel(nn.Sequential(nn.LazyLinear(3)), device_ids=cpus(2))(*a),
