@@ -496,7 +496,9 @@ def _keyword_advice(paths: list[str]) -> str:
     passed by keyword gave a size error that did not say so)."""
     return (
         f"keyword arguments (here {', '.join(paths)}) are always mapped along dim 0, as in "
-        "jax.pmap: to give every replica all of one, pass it positionally with axis None in in_axes"
+        "jax.pmap: to give every replica all of one, pass it positionally with axis None in in_axes; "
+        "to split one along another dim (an RNN's initial hidden state, whose batch is on axis 1), "
+        "pass it positionally with that axis"
     )
 
 

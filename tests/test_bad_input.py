@@ -233,7 +233,21 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         ValueError,
         r"(?s)axis 0 of kwargs\['table'\] of type float32\[10,3\]\nKeyword arguments \(here "
         r"kwargs\['table'\]\) are always mapped along dim 0, as in jax.pmap: to give every replica all of "
-        r"one, pass it positionally with axis None in in_axes$",
+        r"one, pass it positionally with axis None in in_axes; to split one along another dim .*$",
+    ),
+    (
+        # An RNN's initial state by keyword (hx=, batch on axis 1): the advice was axis None,
+        # which gives every replica the whole batch's state, for torch to refuse.
+        "mismatched sizes",
+        lambda: (torch.zeros(6, 5, 3), torch.zeros(1, 6, 4)),
+        lambda a: fdp.pmap(nn.GRU(3, 4, batch_first=True), out_axes=(0, 1), devices=cpus(2))(
+            {}, a[0], hx=a[1]
+        ),
+        ValueError,
+        r"(?s)axis 0 of kwargs\['hx'\] of type float32\[1,6,4\]\nKeyword arguments \(here "
+        r"kwargs\['hx'\]\) are always mapped along dim 0, as in jax.pmap: to give every replica all of "
+        r"one, pass it positionally with axis None in in_axes; to split one along another dim \(an RNN's "
+        r"initial hidden state, whose batch is on axis 1\), pass it positionally with that axis$",
     ),
     (
         # A causal mask (L, S) as a keyword argument, split along axis 0 like the batch: the
@@ -244,7 +258,8 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         ValueError,
         r"(?s)inconsistent sizes .*axis 0 of kwargs\['attn_mask'\] of type bool\[5,5\]\nKeyword arguments "
         r"\(here kwargs\['attn_mask'\]\) are always mapped along dim 0, as in jax.pmap: to give every "
-        r"replica all of one, pass it positionally with axis None in in_axes$",
+        r"replica all of one, pass it positionally with axis None in in_axes; to split one "
+        r"along another dim .*$",
     ),
     (
         "mismatched sizes",
@@ -348,7 +363,7 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"map kwargs\['temperature'\] of type float32\[\] along axis 0, so its rank should be at least 1, "
         r"but it is only 0; keyword arguments \(here kwargs\['temperature'\]\) are always mapped along "
         r"dim 0, as in jax.pmap: to give every replica all of one, pass it positionally with axis None in "
-        r"in_axes$",
+        r"in_axes; to split one along another dim .*$",
     ),
     (
         "empty batch",
