@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -187,3 +191,350 @@ def test_pmapped_module_updating_its_buffers_is_told_what_works_instead(sync: bo
     model.eval()  # what the message offers first works
     x = torch.randn(8, 3)
     torch.testing.assert_close(pmapped({}, x), model(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer zoo: each layer through the three ways in (a module pmapped; fdp.functional_call in
+# a pmapped step that differentiates inside; fdp.DataParallel with backward), on 2 and 3
+# replicas of a batch of 7 (shards 4+3 and 3+3+1), in training and evaluation mode, against
+# the same module on one device: outputs, gradients (of the parameters and inputs) and buffers.
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class ModelOutput(collections.OrderedDict):
+    """What Hugging Face models return: a dataclass that is also an OrderedDict of its fields
+    that are not None."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            if getattr(self, field.name) is not None:
+                self[field.name] = getattr(self, field.name)
+
+
+@dataclasses.dataclass
+class EncoderOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+Returned = collections.namedtuple("Returned", "logits hidden loss")
+
+
+class Returns(nn.Module):
+    """A linear layer whose output comes back in a container, with None fields."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin, self.kind = nn.Linear(3, 4), kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)
+        if self.kind == "dict":
+            return {"logits": h, "hidden": None, "aux": (h * 2, None)}
+        if self.kind == "namedtuple":
+            return Returned(h, None, None)
+        if self.kind == "dataclass":
+            return Output(h, None, (h.relu(),))
+        return EncoderOutput(last_hidden_state=h, hidden_states=(h, h.tanh()))
+
+
+class PoolUnpool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, indices = self.pool(x)
+        return self.unpool(y, indices), indices
+
+
+def old_weight_norm() -> nn.Module:
+    with warnings.catch_warnings():  # deprecated for the parametrization, still used
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.utils.weight_norm(nn.Linear(3, 4))
+
+
+def padding_mask(rows: int, length: int) -> torch.Tensor:
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    mask[::2, length - 2 :] = True  # every other sequence ends two steps early
+    return mask
+
+
+def causal(n: int) -> torch.Tensor:
+    return torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+
+
+B = 7
+r = torch.randn
+P = nn.utils.parametrizations
+
+
+@dataclasses.dataclass
+class Case:
+    make: Callable[[], nn.Module]
+    inputs: Callable[[], tuple[Any, ...]]
+    in_axes: Any = 0
+    out_axes: Any = 0
+    # fdp.DataParallel splits and joins every input and output along one dim: not a layer
+    # whose inputs or outputs hold the batch on different dims (an RNN's h_0 with batch_first).
+    data_parallel: bool = True
+    updates_buffers: bool = False  # in training mode
+
+
+ZOO: dict[str, Case] = {
+    "RNN time-major, 2 layers": Case(lambda: nn.RNN(3, 4, num_layers=2), lambda: (r(5, B, 3),), 1, 1),
+    "GRU batch-first bidirectional, h_0 given": Case(
+        lambda: nn.GRU(3, 4, batch_first=True, bidirectional=True),
+        lambda: (r(B, 5, 3), r(2, B, 4)),
+        (0, 1),
+        (0, 1),
+        data_parallel=False,
+    ),
+    "GRU batch-first, no h_0": Case(
+        lambda: nn.GRU(3, 4, batch_first=True), lambda: (r(B, 5, 3),), 0, (0, 1), False
+    ),
+    "LSTM time-major bidirectional, (h_0, c_0) given": Case(
+        lambda: nn.LSTM(3, 4, bidirectional=True), lambda: (r(5, B, 3), (r(2, B, 4), r(2, B, 4))), 1, 1
+    ),
+    "RNNCell": Case(lambda: nn.RNNCell(3, 4), lambda: (r(B, 3), r(B, 4))),
+    "GRUCell, no h": Case(lambda: nn.GRUCell(3, 4), lambda: (r(B, 3),)),
+    "LSTMCell": Case(lambda: nn.LSTMCell(3, 4), lambda: (r(B, 3), (r(B, 4), r(B, 4)))),
+    "MultiheadAttention batch-first, need_weights=False, key_padding_mask": Case(
+        lambda: nn.MultiheadAttention(8, 2, batch_first=True),
+        lambda: (r(B, 4, 8), r(B, 5, 8), r(B, 5, 8), padding_mask(B, 5), False),  # output (out, None)
+    ),
+    "MultiheadAttention time-major, per-head weights, masks": Case(
+        lambda: nn.MultiheadAttention(8, 2),
+        # The weights come back batch-first: (B, heads, L, S).
+        lambda: (r(4, B, 8), r(5, B, 8), r(5, B, 8), padding_mask(B, 5), True, causal(5)[:4], False),
+        (1, 1, 1, 0, None, None, None),
+        (1, 0),
+        data_parallel=False,
+    ),
+    "Transformer, masks": Case(
+        lambda: nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True),
+        lambda: (r(B, 5, 8), r(B, 4, 8), None, causal(4), None, padding_mask(B, 5), None, padding_mask(B, 5)),
+        (0, 0, None, None, None, 0, None, 0),
+        data_parallel=False,  # the (T, T) mask would be split
+    ),
+    "TransformerDecoderLayer, masks": Case(
+        lambda: nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+        lambda: (r(B, 4, 8), r(B, 5, 8), causal(4), None, padding_mask(B, 4)),
+        (0, 0, None, None, 0),
+        data_parallel=False,
+    ),
+    "Conv1d": Case(lambda: nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"), lambda: (r(B, 3, 6),)),
+    "Conv3d": Case(lambda: nn.Conv3d(2, 3, 2), lambda: (r(B, 2, 3, 3, 3),)),
+    "ConvTranspose2d, output_size": Case(
+        lambda: nn.ConvTranspose2d(3, 2, 3, stride=2), lambda: (r(B, 3, 3, 3), [8, 8]), (0, None)
+    ),
+    "GroupNorm": Case(lambda: nn.GroupNorm(2, 4), lambda: (r(B, 4, 3),)),
+    "LayerNorm": Case(lambda: nn.LayerNorm(4), lambda: (r(B, 3, 4),)),
+    "RMSNorm": Case(lambda: nn.RMSNorm(4), lambda: (r(B, 3, 4),)),
+    # Running statistics that are means over the rows of per-row statistics: fdp.DataParallel's
+    # row-weighted average of the replicas' updates is one device's, exactly.
+    "InstanceNorm1d, track_running_stats": Case(
+        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
+        lambda: (r(B, 3, 5) * 3 + 1,),
+        updates_buffers=True,
+    ),
+    "InstanceNorm2d, track_running_stats": Case(
+        lambda: nn.InstanceNorm2d(3, track_running_stats=True),
+        lambda: (r(B, 3, 4, 4) * 3 + 1,),
+        updates_buffers=True,
+    ),
+    "LocalResponseNorm": Case(lambda: nn.LocalResponseNorm(2), lambda: (r(B, 5, 3, 3),)),
+    "Embedding, padding_idx": Case(
+        lambda: nn.Embedding(10, 3, padding_idx=0), lambda: (torch.randint(0, 10, (B, 4)),)
+    ),
+    "Bilinear": Case(lambda: nn.Bilinear(3, 4, 2), lambda: (r(B, 3), r(B, 4))),
+    "PReLU": Case(lambda: nn.PReLU(3), lambda: (r(B, 3, 4),)),
+    "Upsample": Case(lambda: nn.Upsample(scale_factor=2, mode="bilinear"), lambda: (r(B, 2, 3, 3),)),
+    "PixelShuffle": Case(lambda: nn.PixelShuffle(2), lambda: (r(B, 8, 2, 2),)),
+    "Unfold": Case(lambda: nn.Unfold(2), lambda: (r(B, 2, 4, 4),)),
+    "Fold": Case(lambda: nn.Fold((3, 3), 2), lambda: (r(B, 8, 4),)),
+    "AdaptiveMaxPool2d, return_indices": Case(
+        lambda: nn.AdaptiveMaxPool2d(2, return_indices=True), lambda: (r(B, 2, 5, 5),)
+    ),
+    "MaxPool2d, return_indices, MaxUnpool2d": Case(PoolUnpool, lambda: (r(B, 2, 4, 4),)),
+    "parametrizations.weight_norm": Case(lambda: P.weight_norm(nn.Conv1d(2, 3, 2)), lambda: (r(B, 2, 4),)),
+    # In training mode its power iteration updates its buffers _u and _v in forward.
+    "parametrizations.spectral_norm": Case(
+        lambda: P.spectral_norm(nn.Linear(3, 4)), lambda: (r(B, 3),), updates_buffers=True
+    ),
+    "parametrizations.orthogonal": Case(lambda: P.orthogonal(nn.Linear(4, 4)), lambda: (r(B, 4),)),
+    "nn.utils.weight_norm": Case(old_weight_norm, lambda: (r(B, 3),)),
+    "a dict with None": Case(lambda: Returns("dict"), lambda: (r(B, 3),)),
+    "a namedtuple with None": Case(lambda: Returns("namedtuple"), lambda: (r(B, 3),)),
+    "a dataclass with None": Case(lambda: Returns("dataclass"), lambda: (r(B, 3),)),
+    "a ModelOutput with None": Case(lambda: Returns("ModelOutput"), lambda: (r(B, 3),)),
+}
+
+
+def zoo_loss(tree: Any) -> torch.Tensor:
+    """A sum over rows, so that the shards' losses add up to the batch's."""
+    leaves = fdp._tree.flatten(tree)[0]
+    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(((t.sin() + 0.1 * t * t).sum() for t in floats), torch.zeros((), dtype=torch.float64))
+
+
+def float_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Fresh copies of ``inputs`` in float64, those of floating point requiring grad."""
+
+    def fresh(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().double().requires_grad_() if t.is_floating_point() else t.clone()
+
+    return optree.tree_map(fresh, inputs, none_is_leaf=True)
+
+
+def tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def build(case: Case, train: bool) -> nn.Module:
+    torch.manual_seed(0)  # the same initial values in every run
+    return case.make().double().train(train)
+
+
+def batch_axis(case: Case) -> int:
+    return case.in_axes if isinstance(case.in_axes, int) else case.in_axes[0]
+
+
+def functional_step(case: Case, model: nn.Module, way: str, devices: list[str]) -> Callable[..., Any]:
+    """A pmapped step that differentiates inside each replica, by ``fdp.grad`` (a sum of the
+    shards' summed losses) or ``torch.autograd.grad`` (their mean losses, weighted by rows), and
+    returns the output, one device's gradients and the row-weighted mean of the new buffers."""
+
+    def step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *x: Any) -> Any:
+        rows = optree.tree_leaves(x)[0].shape[batch_axis(case)]
+
+        def loss_fn(p: dict[str, torch.Tensor]) -> Any:
+            out, new_buffers = fdp.stateful_call(model, p, buffers, x)
+            return zoo_loss(out), (out, new_buffers)
+
+        if way == "functional_call, fdp.grad":
+            grads, (out, new_buffers) = fdp.grad(loss_fn, has_aux=True)(params)
+            grads = fdp.psum(grads, "batch")
+        else:
+            params = {k: p.requires_grad_() for k, p in params.items()}
+            loss, (out, new_buffers) = loss_fn(params)
+            grads = (
+                dict(zip(params, torch.autograd.grad(loss / rows, list(params.values())))) if params else {}
+            )
+            grads = {k: g * B for k, g in fdp.pmean(grads, "batch", weight=rows).items()}  # B: back to sums
+        floats = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
+        return out, grads, new_buffers | fdp.pmean(floats, "batch", weight=rows)
+
+    axes = case.in_axes if isinstance(case.in_axes, tuple) else (case.in_axes,) * len(case.inputs())
+    return fdp.pmap(
+        step, "batch", in_axes=(None, None, *axes), out_axes=(case.out_axes, None, None), devices=devices
+    )
+
+
+def run_way(case: Case, way: str, model: nn.Module, x: tuple[Any, ...], devices: list[str]) -> Any:
+    """(output, gradients by name, the inputs' gradients or None, buffers by name)."""
+    wrt = [*model.parameters(), *tensors_requiring_grad(x)]
+    if way == "pmap(module)":
+        out = fdp.pmap(model, in_axes=case.in_axes, out_axes=case.out_axes, devices=devices)({}, *x)
+    elif way == "DataParallel":
+        out = fdp.DataParallel(model, device_ids=devices, dim=batch_axis(case))(*x)
+    else:
+        buffers = {k: b.clone() for k, b in model.named_buffers()}
+        detached = {k: p.detach() for k, p in model.named_parameters()}
+        out, grads, buffers = functional_step(case, model, way, devices)(detached, buffers, *x)
+        return out, grads, None, buffers
+    got = torch.autograd.grad(zoo_loss(out), wrt)
+    grads = dict(zip(dict(model.named_parameters()), got))
+    return out, grads, list(got[len(grads) :]), dict(model.named_buffers())
+
+
+@pytest.mark.parametrize(
+    "way", ["pmap(module)", "functional_call, fdp.grad", "functional_call, autograd.grad", "DataParallel"]
+)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_layer_zoo_against_one_device(name: str, way: str) -> None:
+    case = ZOO[name]
+    if way == "DataParallel" and not case.data_parallel:
+        pytest.skip("the batch is on different dims of its inputs or outputs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # oneDNN's notes about RNN kernels
+        raw = case.inputs()
+    for train in (True, False):
+        reference = build(case, train)
+        x = float_inputs(raw)
+        expected = reference(*x)
+        grads = torch.autograd.grad(zoo_loss(expected), [*reference.parameters(), *tensors_requiring_grad(x)])
+        expected_grads = dict(zip(dict(reference.named_parameters()), grads))
+        expected_x_grads = list(grads[len(expected_grads) :])
+        expected_buffers = dict(reference.named_buffers())
+        for devices in (cpus(2), cpus(3)):
+            where = (
+                f"{name} through {way}, {'training' if train else 'evaluation'} mode, {len(devices)} replicas"
+            )
+            model, x = build(case, train), float_inputs(raw)
+            if way == "pmap(module)" and train and case.updates_buffers:
+                # A pmapped module cannot hand back the buffers that its forward updates.
+                with pytest.raises(RuntimeError, match=r"modified params\[.*\] in place.*stateful_call"):
+                    run_way(case, way, model, x, devices)
+                continue
+            out, grads, x_grads, buffers = run_way(case, way, model, x, devices)
+            close = functools.partial(assert_trees_close, atol=1e-10, rtol=1e-8, msg=where)
+            close(out, expected)
+            close(grads, expected_grads)
+            if x_grads is not None:
+                close(x_grads, expected_x_grads)
+            close(buffers, expected_buffers)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: nn.Dropout(0.5), lambda: nn.AlphaDropout(0.5), lambda: nn.Dropout2d(0.5)],
+    ids=["Dropout", "AlphaDropout", "Dropout2d"],
+)
+def test_dropout_in_rng_scope_through_the_three_ways(make: Callable[[], nn.Module]) -> None:
+    # No one device's answer to compare with: each replica draws its own masks. What holds is
+    # what the docs promise: a seed gives the same masks again, another seed others, replicas
+    # masks of their own, and evaluation mode no dropout at all.
+    layer = make()
+    x = torch.ones(8, 3, 2, 2, requires_grad=True)
+    params = dict(layer.named_parameters())
+
+    def step(x: torch.Tensor) -> torch.Tensor:  # the functional way: a scope per replica
+        with fdp.rng_scope(fdp.replica_seed(0, "batch")):
+            return fdp.functional_call(layer, params, (x,))
+
+    for devices in (cpus(2), cpus(3)):
+        ways = {
+            "pmap(module)": functools.partial(fdp.pmap(layer, devices=devices), {}, x),
+            "DataParallel": functools.partial(fdp.DataParallel(layer, device_ids=devices), x),
+        }
+        for name, call in ways.items():
+            with fdp.rng_scope(0):
+                first = call()
+            with fdp.rng_scope(0):
+                again = call()
+            with fdp.rng_scope(1):
+                other = call()
+            assert torch.equal(first, again), name
+            assert not torch.equal(first, other), name
+            size = -(-8 // len(devices))  # replica 0's rows and replica 1's, of equal inputs
+            assert not torch.equal(first[:size], first[size : 2 * size]), name
+            if isinstance(layer, nn.Dropout):  # the gradient is the mask's
+                (grad,) = torch.autograd.grad(first.sum(), x)
+                torch.testing.assert_close(grad, (first != 0).float() * 2)
+        mapped = fdp.pmap(step, "batch", devices=devices)
+        torch.testing.assert_close(mapped(x), mapped(x))
+        layer.eval()
+        torch.testing.assert_close(fdp.pmap(layer, devices=devices)({}, x), x)
+        torch.testing.assert_close(fdp.DataParallel(layer, device_ids=devices)(x), x)
+        torch.testing.assert_close(mapped(x), x)
+        layer.train()
