@@ -538,3 +538,26 @@ def test_dropout_in_rng_scope_through_the_three_ways(make: Callable[[], nn.Modul
         torch.testing.assert_close(fdp.DataParallel(layer, device_ids=devices)(x), x)
         torch.testing.assert_close(mapped(x), x)
         layer.train()
+
+
+class PerSampleAttentionMask(nn.Module):
+    """Takes the mask as (B, heads, L, S), which splits by samples, as docs/concepts.md says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attention(q, q, q, attn_mask=mask.flatten(0, 1), need_weights=False)[0]
+
+
+def test_a_3d_attention_mask_splits_by_samples_passed_4d() -> None:
+    model = PerSampleAttentionMask()
+    q, mask = torch.randn(7, 4, 8), torch.rand(7, 2, 4, 4) > 0.7
+    mask[..., 0] = False  # every query sees a key
+    with pytest.raises(ValueError, match=r"one axis had size 14: axis 0 of args\[5\] of type bool\[14,4,4\]"):
+        fdp.pmap(model.attention, in_axes=(0, 0, 0, None, None, 0), devices=cpus(2))(
+            {}, q, q, q, None, False, mask.flatten(0, 1)
+        )
+    for devices in (cpus(2), cpus(3)):
+        torch.testing.assert_close(fdp.pmap(model, devices=devices)({}, q, mask), model(q, mask))
