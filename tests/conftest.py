@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,6 +30,38 @@ def devices(request: pytest.FixtureRequest) -> list[str]:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def _global_state() -> dict[str, object]:
+    """torch's process-wide settings (and the caller thread's) that a test may change."""
+    return {
+        "torch.get_num_threads()": torch.get_num_threads(),
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
+        "torch.is_autocast_enabled('cpu')": torch.is_autocast_enabled("cpu"),
+        "torch.get_autocast_dtype('cpu')": torch.get_autocast_dtype("cpu"),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_state_left_behind() -> Iterator[None]:
+    # A test that changes one of these and leaves it changed makes later tests pass or fail by
+    # the order they run in (test_soak left one intra-op thread, and a tolerance of
+    # test_layers failed after it): restored here, and the test that left it fails.
+    before = _global_state()
+    yield
+    after = _global_state()
+    if after != before:
+        torch.set_num_threads(before["torch.get_num_threads()"])  # type: ignore[arg-type]
+        torch.set_default_dtype(before["torch.get_default_dtype()"])  # type: ignore[arg-type]
+        torch.use_deterministic_algorithms(before["torch.are_deterministic_algorithms_enabled()"])  # type: ignore[arg-type]
+        torch.set_grad_enabled(before["torch.is_grad_enabled()"])  # type: ignore[arg-type]
+        torch.set_autocast_enabled("cpu", before["torch.is_autocast_enabled('cpu')"])  # type: ignore[arg-type]
+        torch.set_autocast_dtype("cpu", before["torch.get_autocast_dtype('cpu')"])  # type: ignore[arg-type]
+        changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+        pytest.fail(f"the test left torch's state changed (before, after): {changed}")
 
 
 @pytest.fixture
