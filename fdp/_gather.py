@@ -32,6 +32,11 @@ __all__ = ["gather", "gather_outputs"]
 def _equal(a: Any, b: Any) -> bool:
     if a is b:
         return True
+    if type(a) is not type(b):
+        # 1, 1.0 and True are ==, as np.float16(1) and np.float32(1) are: replicas that return
+        # values of different types ran different code, as tensors of different dtypes show
+        # (refused too), and which one came back would be replica 0's by chance.
+        return False
     numpy = sys.modules.get("numpy")  # only if the program uses it: never imported here
     if numpy is not None and isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray):
         # == is elementwise, with no truth value of its own: equal as _same_tensor has it.

@@ -8,8 +8,9 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -161,6 +162,24 @@ def test_equal_non_tensor_outputs_that_are_other_objects_are_returned_once() -> 
     assert first is not second
     out = fdp.gather([(torch.ones(1), first), (torch.ones(1), second)], "cpu")
     assert out[1] is first  # replica 0's
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(1, 1.0), (True, 1), (1.0, 1 + 0j), (np.float16(1), np.float32(1)), (np.int64(2), 2)],
+    ids=["int-float", "bool-int", "float-complex", "np.float16-np.float32", "np.int64-int"],
+)
+def test_equal_non_tensor_outputs_of_different_types_are_different(first: Any, second: Any) -> None:
+    # == holds across these types: replica 0's value came back, its type by chance, where
+    # tensors of different dtypes are refused.
+    assert first == second
+    with pytest.raises(ValueError, match=r"different non-tensor values at output\[1\]: replica 0 returned"):
+        fdp.gather([(torch.ones(1), first), (torch.ones(1), second)], "cpu")
+    mapped = fdp.pmap(
+        lambda x: first if fdp.axis_index("i") == 0 else second, axis_name="i", devices=["cpu"] * 2
+    )
+    with pytest.raises(ValueError, match=r"different non-tensor values at output: replica 0 returned"):
+        mapped(torch.zeros(2))
 
 
 def test_non_tensor_outputs_whose_equality_raises_are_not_provably_equal() -> None:
