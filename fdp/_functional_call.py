@@ -88,10 +88,17 @@ class _Skeleton:
         self.original = self._pairs[0][0]  # the module it copies (named_modules gives it first)
         # A parametrized module's class is made for it alone (torch.nn.utils.parametrize), and
         # the properties it injects there close over the module: a copy, an instance of that
-        # class, refers to the module through its type, which no emptying takes back. Kept in
-        # the free list (a value of the weak dictionary keyed by the module), such a skeleton
-        # would keep the module, and its tensors, alive for as long as the process runs.
-        self.reusable = not any(map(parametrize.is_parametrized, modules.values()))
+        # class, refers to the module through its type. Kept so in the free list (a value of
+        # the weak dictionary keyed by the module), the skeleton would keep the module, and its
+        # tensors, alive for as long as the process runs; built anew on every call instead, it
+        # cost a parametrized model half as much again. So an idle copy takes the class that
+        # parametrize derived that one from (see clear), and its own back at refresh: here,
+        # each such copy's index and that class.
+        self._parked = [
+            (i, type(original).__bases__[0])
+            for i, original in enumerate(modules.values())
+            if parametrize.is_parametrized(original)
+        ]
         # Each copy's name in the tree (as named_modules gives it), for messages.
         self.names = list(modules)
         self._copy_list = [copy for _, copy in self._pairs]
@@ -131,6 +138,10 @@ class _Skeleton:
         then raises an ``AttributeError`` that says why (see :class:`_Released`)."""
         for copy in self._copy_list:
             object.__setattr__(copy, "__dict__", {"_parameters": _Released()} if released else {})
+        for index, base in self._parked:  # (see __init__)
+            copy = self._copy_list[index]
+            if type(copy).__bases__[0] is base:  # (not where its module's parametrizations went)
+                object.__setattr__(copy, "__class__", base)
         self._made = []
         # The copies' hook dicts serve the next refresh only while empty: a hook that the call
         # left there would run in later calls, and could keep the module alive.
@@ -157,6 +168,10 @@ class _Skeleton:
         states: list[dict[str, Any]] = []  # the copies' new attribute dicts, in order
         made: list[Any] = []  # the values made for them that reach the copies (see references)
         renewed = False  # whether a copy's hook dicts were made anew (see clear)
+        for index, base in self._parked:  # each gets its module's class back (see __init__)
+            original, copy = self._pairs[index][0](), self._copy_list[index]
+            if original is not None and type(copy) is base and type(original).__bases__[0] is base:
+                object.__setattr__(copy, "__class__", type(original))
         for index, (ref, copy) in enumerate(self._pairs):
             original = ref()
             if original is None:
@@ -621,7 +636,7 @@ def _release(
     # An idle skeleton holds nothing: its copies' state (hook dicts, attribute values) could
     # otherwise refer back to the module and keep it, and the weak cache entry, alive forever.
     skeleton.clear(released=captured)
-    if captured or not skeleton.reusable:
+    if captured:
         return
     with _FREE_LOCK:
         free = _FREE.setdefault(module, [])

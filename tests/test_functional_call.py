@@ -745,6 +745,36 @@ def test_skeletons_die_with_a_parametrized_module() -> None:
     assert [r() for r in refs] == [None, None]
 
 
+def test_a_parametrized_modules_skeleton_is_reused_and_dies_with_it() -> None:
+    # Idle, its copy sheds the class parametrize made for the module (which refers to it);
+    # rebuilt on every call instead, the skeleton cost a parametrized model half as much again.
+    net = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+    params, x = dict(net.named_parameters()), torch.randn(2, 4)
+    fdp.functional_call(net, params, (x,))
+    (skeleton,) = _functional_call._FREE[net]
+    for _ in range(2):
+        torch.testing.assert_close(fdp.functional_call(net, params, (x,)), net(x))
+        assert _functional_call._FREE[net] == [skeleton]
+    ref = weakref.ref(net)
+    del net, params, skeleton
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_parametrization_removed_and_registered_again_between_calls() -> None:
+    net = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 3)), nn.Tanh())
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(fdp.functional_call(net, {}, (x,)), net(x))
+    nn.utils.parametrize.remove_parametrizations(net[0], "weight")
+    assert type(net[0]) is nn.Linear
+    torch.testing.assert_close(fdp.functional_call(net, {}, (x,)), net(x))
+    nn.utils.parametrizations.spectral_norm(net[0]).eval()
+    torch.testing.assert_close(fdp.functional_call(net, {}, (x,)), net(x))
+    nn.utils.parametrize.remove_parametrizations(net[0], "weight")
+    torch.testing.assert_close(fdp.functional_call(net, {}, (x,)), net(x))
+    assert not hasattr(net[0], "parametrizations")
+
+
 def test_grad_through_functional_call() -> None:
     net = nn.Linear(3, 1)
     params = {k: v.detach().requires_grad_() for k, v in net.named_parameters()}
