@@ -998,6 +998,20 @@ def test_a_parametrization_changing_the_modules_own_buffers_in_place_is_an_error
     torch.testing.assert_close(f(params, x), model(x))
 
 
+@pytest.mark.parametrize("given", ["a sequence of dicts", "a name that is no tensor's"])
+def test_own_buffers_changed_in_place_are_an_error_where_torch_swaps_too(given: str) -> None:
+    # Such params go through torch.func.functional_call's own swap, as a parametrized module
+    # does: the check covers every module there, not only parametrized ones.
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    own = dict(model.named_parameters())
+    params = [own] if given == "a sequence of dicts" else {**own, "extra": None}
+    f = fdp.pmap(lambda p, x: fdp.functional_call(model, p, (x,)), in_axes=(None, 0), devices=["cpu"] * 2)
+    with pytest.raises(
+        RuntimeError, match=r"forward changed the module's own buffer '1\.num_batches_tracked'"
+    ):
+        f(params, torch.randn(8, 3))
+
+
 def test_own_buffers_made_in_inference_mode_are_no_error_in_replicas() -> None:
     # Inference tensors keep no version counter: reading one raised "Inference tensors do not
     # track version counter" on every call of several replicas, where fdp's check looked.
