@@ -834,7 +834,9 @@ _Swapped = list[tuple[str, dict[str, Any], str, Any]]
 
 def _own_buffers(skeleton: _Skeleton, params: Any) -> list[tuple[str, torch.Tensor, int]]:
     """The module's own buffers in the skeleton (those ``params`` does not give), with their
-    names and version counters, after the swap."""
+    names and version counters, after the swap. (Before torch.func.functional_call's own swap,
+    a buffer that ``params`` gives is listed too, as the module's tensor that it is then: the
+    call swaps it out, and its version never moves.)"""
     # (A sequence of dicts, which torch.func.functional_call also takes, gives each dict's.)
     groups = params if isinstance(params, (list, tuple)) else [params]
     given = {id(value) for group in groups if isinstance(group, dict) for value in group.values()}
