@@ -49,7 +49,8 @@ def _global_state() -> dict[str, object]:
 def _no_state_left_behind() -> Iterator[None]:
     # A test that changes one of these and leaves it changed makes later tests pass or fail by
     # the order they run in (test_soak left one intra-op thread, and a tolerance of
-    # test_layers failed after it): restored here, and the test that left it fails.
+    # test_layers failed after it): restored here, and the test that left it fails. (Inference
+    # mode has no setter, only a guard to enter: left on, it is reported, not restored.)
     before = _global_state()
     yield
     after = _global_state()
