@@ -57,6 +57,40 @@ __all__ = [
 ]
 
 
+# --- jax.lax's options ---------------------------------------------------------------------------
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# A program ported from jax.pmap passes jax.lax's keywords, and Python's "got an unexpected
+# keyword argument" does not say what fdp calls them (see docs/migrating/from-jax.md).
+_NO_GROUPS = (
+    "fdp's collectives combine every replica of the one axis that fdp.pmap maps; there are no "
+    "groups of replicas (map one axis, and fdp.all_gather what another grouping needs)"
+)
+
+
+def _refusing_jax_options(**instead: str) -> Callable[[_F], _F]:
+    """A collective that names its own spelling of ``jax.lax``'s keyword options it is passed:
+    ``axis_index_groups``, and ``instead``'s (JAX's keyword -> what to write, with ``{value}``
+    the value passed)."""
+    options = {"axis_index_groups": _NO_GROUPS, **instead}
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if kwargs and not options.keys().isdisjoint(kwargs):
+                name = next(name for name in kwargs if name in options)
+                raise TypeError(
+                    f"fdp.{fn.__name__} got an unexpected keyword argument {name!r} "
+                    f"(jax.lax.{fn.__name__}'s): " + options[name].format(value=kwargs[name])
+                )
+            return fn(*args, **kwargs)
+
+        return checked  # type: ignore[return-value]
+
+    return decorate
+
+
 # --- binding -----------------------------------------------------------------------------------
 
 
@@ -1450,6 +1484,7 @@ def psum(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any: ...
 
 
 @eager_under_compile
+@_refusing_jax_options()
 def psum(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """Sums ``x`` over the replicas of ``axis_name``: every replica gets the total.
 
@@ -1507,6 +1542,7 @@ def pmean(
 
 
 @eager_under_compile
+@_refusing_jax_options()
 def pmean(
     x: Any, axis_name: Hashable, *, weight: float | torch.Tensor | None = None, donate: bool = False
 ) -> Any:
@@ -1579,6 +1615,7 @@ def pmax(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any: ...
 
 
 @eager_under_compile
+@_refusing_jax_options()
 def pmax(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """The elementwise maximum of ``x`` over the replicas of ``axis_name``.
 
@@ -1619,6 +1656,7 @@ def pmin(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any: ...
 
 
 @eager_under_compile
+@_refusing_jax_options()
 def pmin(x: Any, axis_name: Hashable, *, donate: bool = False) -> Any:
     """The elementwise minimum of ``x`` over the replicas of ``axis_name``.
 
@@ -1650,6 +1688,7 @@ def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False
 
 
 @eager_under_compile
+@_refusing_jax_options(axis="fdp.all_gather's is dim: fdp.all_gather(x, axis_name, dim={value!r})")
 def all_gather(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any:
     """Every replica's ``x``, on every replica.
 
@@ -1788,6 +1827,9 @@ def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = Fal
 
 
 @eager_under_compile
+@_refusing_jax_options(
+    scatter_dimension="fdp.psum_scatter's is dim: fdp.psum_scatter(x, axis_name, dim={value!r})"
+)
 def psum_scatter(x: Any, axis_name: Hashable, *, dim: int = 0, tiled: bool = False) -> Any:
     """Sums ``x`` over the replicas of ``axis_name`` and gives each replica its piece of the sum.
 
@@ -1849,6 +1891,12 @@ def all_to_all(
 
 
 @eager_under_compile
+@_refusing_jax_options(
+    split_axis="fdp.all_to_all's is split_dim (positionally, the third argument, as in JAX): "
+    "split_dim={value!r}",
+    concat_axis="fdp.all_to_all's is concat_dim (positionally, the fourth argument, as in JAX): "
+    "concat_dim={value!r}",
+)
 def all_to_all(x: Any, axis_name: Hashable, split_dim: int, concat_dim: int, *, tiled: bool = False) -> Any:
     """Cuts ``x`` into one piece per replica along ``split_dim`` and sends piece ``j`` to replica ``j``.
 

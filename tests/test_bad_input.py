@@ -885,6 +885,16 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         r"fdp.pmap's is static_argnums$",
     ),
     (
+        # Python's own "psum_scatter() got an unexpected keyword argument" said nothing of dim.
+        "a `jax.lax` keyword passed to a collective (`scatter_dimension=`, `axis=`, `split_axis=`, "
+        "`concat_axis=`, `axis_index_groups=`)",
+        lambda: (torch.ones(4),),
+        lambda a: fdp.pmap(lambda x: fdp.psum_scatter(x, "i", scatter_dimension=0), "i", devices=cpus(2))(*a),  # type: ignore[call-overload]
+        TypeError,
+        r"^fdp.psum_scatter got an unexpected keyword argument 'scatter_dimension' "
+        r"\(jax.lax.psum_scatter's\): fdp.psum_scatter's is dim: fdp.psum_scatter\(x, axis_name, dim=0\)\n",
+    ),
+    (
         "gather of one tree (a tensor, a dict) in place of the list of the replicas' trees",
         lambda: ({"y": torch.zeros(2)},),
         lambda a: fdp.gather(a[0], "cpu"),

@@ -788,6 +788,52 @@ def test_unbound_axis_names() -> None:
         fdp.pmap(lambda x: fdp.axis_index("i") + x, devices=cpus(2))(torch.zeros(2))
 
 
+@pytest.mark.parametrize(
+    ("name", "call", "option", "advice"),
+    [
+        (
+            "psum",
+            lambda x: fdp.psum(x, "i", axis_index_groups=[[0, 1], [2, 3]]),
+            "axis_index_groups",
+            "no groups",
+        ),
+        ("pmean", lambda x: fdp.pmean(x, "i", axis_index_groups=[[0, 1]]), "axis_index_groups", "no groups"),
+        ("pmax", lambda x: fdp.pmax(x, "i", axis_index_groups=[[0, 1]]), "axis_index_groups", "no groups"),
+        ("pmin", lambda x: fdp.pmin(x, "i", axis_index_groups=[[0, 1]]), "axis_index_groups", "no groups"),
+        (
+            "all_gather",
+            lambda x: fdp.all_gather(x, "i", axis=1),
+            "axis",
+            "fdp.all_gather's is dim: fdp.all_gather(x, axis_name, dim=1)",
+        ),
+        (
+            "psum_scatter",
+            lambda x: fdp.psum_scatter(x, "i", scatter_dimension=1, tiled=True),
+            "scatter_dimension",
+            "fdp.psum_scatter's is dim: fdp.psum_scatter(x, axis_name, dim=1)",
+        ),
+        (
+            "all_to_all",
+            lambda x: fdp.all_to_all(x, "i", split_axis=1, concat_axis=0),
+            "split_axis",
+            "split_dim=1",
+        ),
+        ("all_to_all", lambda x: fdp.all_to_all(x, "i", 1, concat_axis=0), "concat_axis", "concat_dim=0"),
+    ],
+)
+def test_jax_lax_keywords_say_what_fdp_calls_them(name: str, call: Any, option: str, advice: str) -> None:
+    # A port of jax.lax code passes JAX's keywords; Python's "psum_scatter() got an unexpected
+    # keyword argument 'scatter_dimension'" did not say that fdp's is dim.
+    with pytest.raises(TypeError) as info:
+        per_row(call)(rows())
+    assert str(info.value).startswith(
+        f"fdp.{name} got an unexpected keyword argument '{option}' (jax.lax.{name}'s): "
+    ), str(info.value)
+    assert advice in str(info.value), str(info.value)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'typo'"):  # others: Python's error
+        per_row(lambda x: fdp.psum(x, "i", typo=1))(rows())  # type: ignore[call-overload]
+
+
 # --- differentiation through the whole call -----------------------------------------------------
 
 
