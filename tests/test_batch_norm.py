@@ -492,3 +492,27 @@ def test_activation_checkpointing_of_the_layer_inside_the_mapped_function_is_ref
     layer.eval()
     f(x).sum().backward()
     assert x.grad is not None
+
+
+def test_flax_batch_norm_maps_as_docs_migrating_from_jax_says() -> None:
+    # docs/migrating/from-jax.md: flax.linen.BatchNorm(axis_name=..., momentum=m) is
+    # fdp.SyncBatchNorm(..., momentum=1 - m), whose running variance is unbiased where flax's
+    # is not. flax's update, written out: ra = m * ra + (1 - m) * batch statistic, with the
+    # biased variance of the whole batch (the mean of squares less the squared mean).
+    m, rows = 0.99, 12
+    layer = fdp.SyncBatchNorm(3, axis_name="batch", momentum=1 - m)
+    buffers = {k: v.clone() for k, v in layer.named_buffers()}
+    x = torch.randn(rows, 3, generator=torch.Generator().manual_seed(0)) * 2 + 1
+
+    @fdp.pmap(in_axes=(None, 0), out_axes=(0, None), axis_name="batch", devices=cpus(3))
+    def forward(buffers: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        return fdp.stateful_call(layer, dict(layer.named_parameters()), buffers, (x,))
+
+    out, new = forward(buffers, x)
+    mean = x.mean(0)
+    var = (x * x).mean(0) - mean**2  # flax's: biased
+    torch.testing.assert_close(out, (x - mean) / torch.sqrt(var + layer.eps), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new["running_mean"], m * buffers["running_mean"] + (1 - m) * mean)
+    torch.testing.assert_close(
+        new["running_var"], m * buffers["running_var"] + (1 - m) * var * rows / (rows - 1)
+    )
