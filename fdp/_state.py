@@ -40,9 +40,22 @@ class PerReplica:
     __slots__ = ("values", "devices", "prefix_ok")
 
     def __init__(self, values: Sequence[Any], devices: Sequence[torch.device]) -> None:
-        if len(values) != len(devices):
+        try:
+            sizes = len(values), len(devices)
+        except TypeError:
+            # len()'s words ("object of type 'generator' has no len()") name neither the call
+            # nor the argument: found here, on failure only.
+            for name, given in (("values", values), ("devices", devices)):
+                if not hasattr(given, "__len__"):
+                    raise TypeError(
+                        f"fdp.PerReplica: {name} must be a sequence with one entry per replica, got "
+                        f"{type(given).__name__}: {_tree.short_repr(given)}"
+                    ) from None
+            raise
+        if sizes[0] != sizes[1]:
             raise ValueError(
-                f"PerReplica needs one device per value, got {len(values)} values and {len(devices)} devices"
+                f"fdp.PerReplica: values and devices must have one entry per replica each, got "
+                f"{len(values)} values and {len(devices)} devices"
             )
         self.values = tuple(values)
         self.devices = tuple(devices)

@@ -210,8 +210,23 @@ def test_a_sparse_input_returned_per_replica_is_copied() -> None:
 def test_per_replica_repr_and_checks() -> None:
     value = fdp.PerReplica([torch.zeros(2), torch.zeros(2)], [torch.device("cpu")] * 2)
     assert repr(value) == "PerReplica(2 replicas on cpu, cpu: float32[2])"
-    with pytest.raises(ValueError, match="one device per value"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.PerReplica: values and devices must have one entry per replica each, got 2 values "
+        r"and 1 devices$",
+    ):
         fdp.PerReplica([1, 2], [torch.device("cpu")])
+    # len() said only "object of type 'generator' has no len()", naming neither the call nor the argument.
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.PerReplica: values must be a sequence with one entry per replica, got generator: ",
+    ):
+        fdp.PerReplica((torch.zeros(2) for _ in range(2)), [torch.device("cpu")] * 2)
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.PerReplica: devices must be a sequence with one entry per replica, got device: ",
+    ):
+        fdp.PerReplica([torch.zeros(2)], torch.device("cpu"))  # type: ignore[arg-type]
     # An empty one fits no call (refused there), but prints: repr raised IndexError.
     assert repr(fdp.PerReplica([], [])) == "PerReplica(0 replicas)"
 
