@@ -770,6 +770,13 @@ def functional_call(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functional_call: module must be a torch.nn.Module, got {type(module).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        # Refused by forward's call, in words that name the module but neither this call nor
+        # the argument ("Linear(...) argument after ** must be a mapping, not list").
+        raise TypeError(
+            "fdp.functional_call: kwargs must be a dict of keyword arguments for forward or None, "
+            f"got {type(kwargs).__name__}: {_tree.short_repr(kwargs)}"
+        )
     # torch.compiler.is_compiling() is True only while torch.compile traces this call, when the
     # compiler is loaded.
     if torch.compiler.is_compiling():
@@ -1058,13 +1065,22 @@ def stateful_call(
         >>> int(new["num_batches_tracked"]), int(buffers["num_batches_tracked"])
         (1, 0)
     """
+    if not isinstance(module, nn.Module):  # named_buffers() would fail naming nothing
+        raise TypeError(f"fdp.stateful_call: module must be a torch.nn.Module, got {type(module).__name__}")
     own = dict(module.named_buffers())
     # A buffer that ``params`` names (a dict of both, as torch.func.functional_call takes) is
     # the caller's value: taken from the module instead, it would silently replace it.
     try:
         everything = {**own, **{name: params[name] for name in own if name in params}, **buffers}
+        # (None, given in params to run without that buffer, as torch.func.functional_call takes
+        # it, stays None; a value that is not a tensor reaches torch, which says why it is refused.)
+        new_buffers = {
+            name: b.clone() if isinstance(b, torch.Tensor) else b for name, b in everything.items()
+        }
+        given = {**params, **new_buffers}
     except TypeError:
-        # None for buffers (or params) said only "'NoneType' object is not a mapping".
+        # None for buffers (or params) said only "'NoneType' object is not a mapping" (params
+        # of a module without buffers, or a list of dicts, only here).
         for what, value in (("params", params), ("buffers", buffers)):
             if not isinstance(value, Mapping):
                 raise TypeError(
@@ -1072,10 +1088,6 @@ def stateful_call(
                     f"{type(value).__name__}: {_tree.short_repr(value)}"
                 ) from None
         raise
-    # (None, given in params to run without that buffer, as torch.func.functional_call takes
-    # it, stays None; a value that is not a tensor reaches torch, which says why it is refused.)
-    new_buffers = {name: b.clone() if isinstance(b, torch.Tensor) else b for name, b in everything.items()}
-    given = {**params, **new_buffers}
     output = functional_call(module, given, args, kwargs)
     # A buffer that forward reassigned (self.count = self.count + 1) came back in ``given``.
     return output, {name: given[name] for name in new_buffers}

@@ -1062,16 +1062,47 @@ def test_params_that_are_no_dict_are_named(params: object, got: str) -> None:
     )
 
 
-@pytest.mark.parametrize("which", ["params", "buffers"])
-def test_stateful_call_names_params_or_buffers_that_are_no_dict(which: str) -> None:
-    # {**None} said only "'NoneType' object is not a mapping".
-    bn = nn.BatchNorm1d(2)
-    given = {"params": dict(bn.named_parameters()), "buffers": dict(bn.named_buffers()), which: None}
+@pytest.mark.parametrize("layer", [nn.BatchNorm1d, nn.Linear], ids=["with buffers", "without"])
+@pytest.mark.parametrize(
+    ("which", "value", "got"),
+    [
+        ("params", None, "NoneType: None"),
+        ("buffers", None, "NoneType: None"),
+        ("params", [{}], r"list: \[\{\}\]"),
+    ],
+)
+def test_stateful_call_names_params_or_buffers_that_are_no_dict(
+    layer: type[nn.Module], which: str, value: object, got: str
+) -> None:
+    # {**None} said only "'NoneType' object is not a mapping" (for params, of a module without
+    # buffers or a list of dicts, even where the check stood).
+    module = layer(2, 2) if layer is nn.Linear else layer(2)
+    given = {"params": dict(module.named_parameters()), "buffers": dict(module.named_buffers()), which: value}
+    with pytest.raises(
+        TypeError, match=rf"^fdp\.stateful_call: {which} must be a dict of tensors by name, got {got}$"
+    ):
+        fdp.stateful_call(module, given["params"], given["buffers"], (torch.randn(4, 2),))  # type: ignore[arg-type]
+
+
+def test_stateful_call_names_a_module_that_is_no_module() -> None:
+    # module.named_buffers() said "'function' object has no attribute 'named_buffers'".
+    with pytest.raises(
+        TypeError, match=r"^fdp\.stateful_call: module must be a torch.nn.Module, got function$"
+    ):
+        fdp.stateful_call(lambda x: x, {}, {}, (torch.ones(1),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kwargs", "got"), [([1], r"list: \[1\]"), (3, "int: 3")])
+def test_functional_call_names_kwargs_that_are_no_dict(kwargs: object, got: str) -> None:
+    # Refused by forward's call as "Linear(...) argument after ** must be a mapping, not list",
+    # naming neither the call nor the argument.
+    model = nn.Linear(3, 2)
     with pytest.raises(
         TypeError,
-        match=rf"^fdp\.stateful_call: {which} must be a dict of tensors by name, got NoneType: None$",
+        match=r"^fdp\.functional_call: kwargs must be a dict of keyword arguments for forward or None, "
+        rf"got {got}$",
     ):
-        fdp.stateful_call(bn, given["params"], given["buffers"], (torch.randn(4, 2),))  # type: ignore[arg-type]
+        fdp.functional_call(model, dict(model.named_parameters()), (torch.ones(1, 3),), kwargs)  # type: ignore[arg-type]
 
 
 class Stored(nn.Module):
