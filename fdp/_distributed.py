@@ -1666,10 +1666,10 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         ``nn.Parameter``), and every number by ``src``'s, of the leaf's type.
 
     Raises:
-        ValueError: ``src`` is not a rank, the processes passed different trees, or an
-            ``int`` does not fit in an int64.
-        TypeError: a leaf is a :class:`fdp.PerReplica` (broadcast before
-            :func:`fdp.device_put_replicated`).
+        ValueError: ``src`` is not a rank (out of range), the processes passed different trees,
+            or an ``int`` does not fit in an int64.
+        TypeError: ``src`` is not an ``int``; a leaf is a :class:`fdp.PerReplica` (broadcast
+            before :func:`fdp.device_put_replicated`).
 
     Examples:
         >>> import torch, fdp
@@ -1678,10 +1678,14 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         >>> sorted(params)
         ['b', 'w']
     """
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world_size():
-        raise ValueError(
+    if isinstance(src, bool) or not isinstance(src, int):  # a TypeError, as initialize's rank
+        raise TypeError(
             f"fdp.distributed.broadcast: src must be a rank, an int from 0 to {world_size() - 1}, "
-            f"got {_tree.short_repr(src)}"
+            f"got {type(src).__name__}: {_tree.short_repr(src)}"
+        )
+    if not 0 <= src < world_size():
+        raise ValueError(
+            f"fdp.distributed.broadcast: src must be a rank, an int from 0 to {world_size() - 1}, got {src}"
         )
     if _STATE is None:
         return tree
@@ -1845,8 +1849,13 @@ def shard_batch(batch: _Tree, *, local_replicas: int = 1, split: _split.SplitRul
     # Checked in one process too: a script that runs alone must not change its meaning (nor
     # start failing) under torchrun.
     split = _split.check_split(split, what=f"{caller} split")
-    if isinstance(local_replicas, bool) or not isinstance(local_replicas, int) or local_replicas < 1:
-        raise ValueError(f"{caller}: local_replicas must be a positive int, got {local_replicas!r}")
+    if isinstance(local_replicas, bool) or not isinstance(local_replicas, int):
+        raise TypeError(
+            f"{caller}: local_replicas must be a positive int, got {type(local_replicas).__name__}: "
+            f"{_tree.short_repr(local_replicas)}"
+        )
+    if local_replicas < 1:
+        raise ValueError(f"{caller}: local_replicas must be a positive int, got {local_replicas}")
     paths, leaves, spec = _tree.flatten_with_paths(batch, "batch")
     # Rows that fdp does not split (a UserDict such as a BatchEncoding, a NumPy array) would go
     # to every process whole, and every process would train on the whole batch, silently; a

@@ -626,9 +626,16 @@ def test_broadcast_without_initialize_returns_the_tree() -> None:
     tree = {"w": torch.ones(2), "step": 3}
     assert fdp.distributed.broadcast(tree) is tree
     with pytest.raises(
-        ValueError, match=r"fdp.distributed.broadcast: src must be a rank, an int from 0 to 0, got 1"
+        ValueError, match=r"^fdp.distributed.broadcast: src must be a rank, an int from 0 to 0, got 1$"
     ):
         fdp.distributed.broadcast(tree, src=1)
+    # Not an int is a TypeError (it was a ValueError), as initialize's rank is.
+    for bad, got in (("0", "str: '0'"), (0.0, "float: 0.0"), (False, "bool: False")):
+        with pytest.raises(
+            TypeError,
+            match=rf"^fdp.distributed.broadcast: src must be a rank, an int from 0 to 0, got {got}$",
+        ):
+            fdp.distributed.broadcast(tree, src=bad)  # type: ignore[arg-type]
 
 
 def _signature_in_a_fresh_process(tree: object) -> str:
@@ -1019,8 +1026,18 @@ def test_shard_batch_checks_its_arguments_in_one_process_too() -> None:
         match=r"fdp.distributed.shard_batch split must be one of \('chunk', 'balanced'\), got 'bogus'",
     ):
         fdp.distributed.shard_batch(x, split="bogus")  # type: ignore[arg-type]
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"local_replicas must be a positive int, got"):
+    for bad in (0, -1):
+        with pytest.raises(
+            ValueError,
+            match=rf"^fdp.distributed.shard_batch: local_replicas must be a positive int, got {bad}$",
+        ):
+            fdp.distributed.shard_batch(x, local_replicas=bad)
+    # Not an int is a TypeError (it was a ValueError), as DataParallel's dim is.
+    for bad, got in ((1.5, "float: 1.5"), (True, "bool: True"), ("2", "str: '2'")):
+        with pytest.raises(
+            TypeError,
+            match=rf"^fdp.distributed.shard_batch: local_replicas must be a positive int, got {got}$",
+        ):
             fdp.distributed.shard_batch(x, local_replicas=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"must share dim 0 .*got batch\['x'\]: 6, batch\['y'\]: 5"):
         fdp.distributed.shard_batch({"x": x, "y": torch.zeros(5)})
