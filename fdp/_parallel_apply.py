@@ -85,20 +85,38 @@ def parallel_apply(
     elif callable(fns):
         fns = [fns] * n
     else:
-        raise TypeError(f"{caller}: fns must be a callable or a sequence of them, got {fns!r}")
+        raise TypeError(
+            f"{caller}: fns must be a callable or a sequence of them, got {type(fns).__name__}: "
+            f"{_tree.short_repr(fns)}"
+        )
     if len(fns) != n:
-        raise ValueError(f"{caller} got {len(fns)} functions for {n} inputs")
+        raise ValueError(
+            f"{caller}: fns must be one callable, or one per input, got {len(fns)} functions for {n} inputs"
+        )
     per_kwargs: Sequence[Mapping[str, Any] | None] = [None] * n if kwargs is None else kwargs
-    if len(per_kwargs) != n:
+    try:
+        given = len(per_kwargs)
+    except TypeError:  # a generator: said in fdp's words, not as len() says it
+        raise TypeError(
+            f"{caller}: kwargs must be a sequence with one dict of keyword arguments per input "
+            f"(or None), got {type(kwargs).__name__}: {_tree.short_repr(kwargs)}"
+        ) from None
+    if given != n:
         _refuse_one_dict_of_kwargs(kwargs, n, caller)
-        raise ValueError(f"{caller} got {len(per_kwargs)} kwargs for {n} inputs")
+        raise ValueError(
+            f"{caller}: kwargs must have one dict of keyword arguments (or None) per input, got "
+            f"{given} kwargs for {n} inputs"
+        )
     args = [x if isinstance(x, tuple) else (x,) for x in inputs]
     if devices is None:
         resolved = tuple(_device_of((a, k)) for a, k in zip(args, per_kwargs))
     else:
         resolved = _devices.resolve_devices(devices, what=f"{caller} devices")
         if len(resolved) != n:
-            raise ValueError(f"{caller} got {len(resolved)} devices for {n} inputs")
+            raise ValueError(
+                f"{caller}: devices must name one device per input, got {len(resolved)} devices for "
+                f"{n} inputs"
+            )
     try:
         replicas = [functools.partial(fn, *a, **(k or {})) for fn, a, k in zip(fns, args, per_kwargs)]
     except TypeError:

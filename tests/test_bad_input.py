@@ -598,7 +598,7 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda: ([torch.zeros(1), torch.zeros(1)],),
         lambda a: fdp.parallel_apply([torch.neg], a[0]),
         ValueError,
-        "got 1 functions for 2 inputs",
+        r"^fdp\.parallel_apply: fns must be one callable, or one per input, got 1 functions for 2 inputs$",
     ),
     (
         "parallel_apply under an outer torch.func transform",

@@ -69,16 +69,40 @@ def test_exception_is_the_original_object() -> None:
 
 
 def test_length_mismatches() -> None:
-    with pytest.raises(ValueError, match="got 1 functions for 2 inputs"):
+    # Each names the argument whose length is wrong ("got 1 functions for 2 inputs" did not).
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.parallel_apply: fns must be one callable, or one per input, got 1 functions for 2 "
+        r"inputs$",
+    ):
         fdp.parallel_apply([abs], [1, 2])
-    with pytest.raises(ValueError, match="got 1 kwargs for 2 inputs"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.parallel_apply: kwargs must have one dict of keyword arguments \(or None\) per "
+        r"input, got 1 kwargs for 2 inputs$",
+    ):
         fdp.parallel_apply(abs, [1, 2], [{}])
-    with pytest.raises(ValueError, match="got 3 devices for 2 inputs"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fdp\.parallel_apply: devices must name one device per input, got 3 devices for 2 inputs$",
+    ):
         fdp.parallel_apply(abs, [1, 2], devices=cpus(3))
     with pytest.raises(ValueError, match="at least one input"):
         fdp.parallel_apply(abs, [])
-    with pytest.raises(TypeError, match="fns must be a callable or a sequence"):
+    with pytest.raises(
+        TypeError, match=r"^fdp\.parallel_apply: fns must be a callable or a sequence of them, got int: 3$"
+    ):
         fdp.parallel_apply(3, [1])  # type: ignore[arg-type]
+
+
+def test_kwargs_that_are_no_sequence_are_named() -> None:
+    # len() said "object of type 'generator' has no len()", naming neither call nor argument.
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.parallel_apply: kwargs must be a sequence with one dict of keyword arguments per "
+        r"input \(or None\), got generator: <generator",
+    ):
+        fdp.parallel_apply(abs, [1, 2], (k for k in [{}, {}]))  # type: ignore[arg-type]
 
 
 def test_inputs_that_are_no_sequence_are_named() -> None:
