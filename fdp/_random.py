@@ -93,6 +93,7 @@ def replica_seed(seed: int, axis_name: Hashable) -> int:
 
     Raises:
         NameError: outside a function mapped with this ``axis_name``.
+        TypeError: ``seed`` is not an integer.
 
     Examples:
         >>> import torch, fdp
@@ -101,7 +102,13 @@ def replica_seed(seed: int, axis_name: Hashable) -> int:
         >>> len(set(seeds(torch.zeros(2)).tolist()))
         2
     """
-    return fold_in(seed, _collectives.axis_index(axis_name))
+    # Checked here, not by fold_in and axis_index, whose errors would name those calls.
+    try:
+        seed = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"fdp.replica_seed: seed must be an integer, got {seed!r}") from None
+    context = _collectives._bound(axis_name, "fdp.replica_seed")
+    return fold_in(seed, context.group.offset + context.index)
 
 
 # Traced, fold_in's arithmetic on a Python int that changes per call (the step in

@@ -343,6 +343,22 @@ def test_replica_seeds_differ_and_repeat() -> None:
     assert first.tolist() == [fdp.fold_in(9, r) for r in range(4)]
 
 
+def test_replica_seed_names_itself_in_its_errors() -> None:
+    # The errors named fdp.axis_index ("unbound axis name: i (fdp.axis_index: ...)") and
+    # fdp.fold_in ("fdp.fold_in: seed and data must be integers"), which the user never called.
+    with pytest.raises(
+        NameError, match=r"^unbound axis name: i \(fdp\.replica_seed: collectives work inside"
+    ):
+        fdp.replica_seed(9, "i")
+    with pytest.raises(
+        NameError,
+        match=r"^unbound axis name: j \(fdp\.replica_seed: the function being mapped has axis_name='i'\)",
+    ):
+        fdp.pmap(lambda x: x + fdp.replica_seed(9, "j"), axis_name="i", devices=cpus(2))(torch.zeros(2))
+    with pytest.raises(TypeError, match=r"^fdp\.replica_seed: seed must be an integer, got 1\.5\n"):
+        fdp.pmap(lambda x: x + fdp.replica_seed(1.5, "i"), axis_name="i", devices=cpus(2))(torch.zeros(2))  # type: ignore[arg-type]
+
+
 def test_dataloader_workers_forked_in_a_scope_draw_differently() -> None:
     # Each worker forked in a scope held a copy of its generators in one state: the workers drew
     # the same numbers (the same augmentations, item 0 and item 1 alike), and again in every
