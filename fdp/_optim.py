@@ -1106,18 +1106,23 @@ def chain(*transforms: GradientTransformation[Any]) -> GradientTransformation[tu
         return tuple(t.init(params) for t in transforms)
 
     def through(
-        count: int, grads: Tree, state: tuple[Any, ...], params: Tree | None
+        count: int, grads: Tree, state: tuple[Any, ...], params: Tree | None, call: str
     ) -> tuple[Tree, list[Any]]:
         """The gradients through the first ``count`` transforms, and their new states."""
         if not isinstance(state, tuple) or hasattr(state, "_fields"):
             # Not a chain's state (one optimizer's named tuple, None, the params): refused here,
             # where len() would fail, or the states be dealt out a named tuple's fields.
             raise ValueError(
-                f"fdp.optim.chain: expected a tuple of {len(transforms)} states (from the chain's "
-                f"init), got {type(state).__qualname__}"
+                f"fdp.optim.chain: {call} got a state of type {type(state).__qualname__}, expected a "
+                f"tuple of {len(transforms)} states (one per transformation): the state must come "
+                "from this chain's init(params) or its last step"
             )
         if len(state) != len(transforms):
-            raise ValueError(f"fdp.optim.chain: expected {len(transforms)} states, got {len(state)}")
+            raise ValueError(
+                f"fdp.optim.chain: {call} got a state of {len(state)} states, expected {len(transforms)} "
+                "(one per transformation): the state must come from this chain's init(params) or its "
+                "last step"
+            )
         new_states = []
         for t, s in zip(transforms[:count], state):
             grads, s = t.update(grads, s, params)
@@ -1127,7 +1132,7 @@ def chain(*transforms: GradientTransformation[Any]) -> GradientTransformation[tu
     def update(
         grads: Tree, state: tuple[Any, ...], params: Tree | None = None
     ) -> tuple[Tree, tuple[Any, ...]]:
-        grads, new_states = through(len(transforms), grads, state, params)
+        grads, new_states = through(len(transforms), grads, state, params, "update")
         return grads, tuple(new_states)
 
     fused_last = _fused(transforms[-1].update) if transforms else None
@@ -1135,7 +1140,7 @@ def chain(*transforms: GradientTransformation[Any]) -> GradientTransformation[tu
 
         def apply(grads: Tree, state: tuple[Any, ...], params: Tree) -> tuple[Tree, tuple[Any, ...]]:
             # The transforms before the last one change the gradients; the last one steps.
-            grads, new_states = through(len(transforms) - 1, grads, state, params)
+            grads, new_states = through(len(transforms) - 1, grads, state, params, "apply_gradients")
             new_params, s = fused_last(grads, state[-1], params)
             return new_params, (*new_states, s)
 

@@ -1355,10 +1355,14 @@ def test_chain_refuses_a_state_of_another_length() -> None:
     params = {"w": torch.ones(2)}
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
     short = opt.init(params)[1:]
-    with pytest.raises(ValueError, match=r"^fdp\.optim\.chain: expected 2 states, got 1$"):
-        opt.update(params, short, params)
-    with pytest.raises(ValueError, match=r"^fdp\.optim\.chain: expected 2 states, got 1$"):
-        opt.apply_gradients(params, short, params)
+    # "fdp.optim.chain: expected 2 states, got 1" named neither the call nor the state.
+    for call in ("update", "apply_gradients"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^fdp\.optim\.chain: {call} got a state of 1 states, expected 2 \(one per "
+            r"transformation\): the state must come from this chain's init\(params\) or its last step$",
+        ):
+            getattr(opt, call)(params, short, params)
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["update", "apply_gradients"])
@@ -1379,9 +1383,12 @@ def test_chain_refuses_a_state_that_is_not_a_chains(
     opt = optim.chain(
         optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9), optim.sgd(0.1), optim.sgd(0.2)
     )
+    call = "apply_gradients" if one_pass else "update"
     with pytest.raises(
         ValueError,
-        match=rf"^fdp\.optim\.chain: expected a tuple of 4 states \(from the chain's init\), got {kind}$",
+        match=rf"^fdp\.optim\.chain: {call} got a state of type {kind}, expected a tuple of 4 states "
+        r"\(one per transformation\): the state must come from this chain's init\(params\) or its last "
+        r"step$",
     ):
         (opt.apply_gradients if one_pass else opt.update)(params, make_state(params), params)
 
