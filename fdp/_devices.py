@@ -58,7 +58,7 @@ def parse_device(device: object, *, what: str, replica: bool = False) -> torch.d
     ``device`` is an entry of a list of replicas' devices, for the advice.
     """
     if isinstance(device, bool):  # bool is an int subclass: True is no CUDA index
-        raise TypeError(f"{what} must be an int, str or torch.device, got {device!r}")
+        raise TypeError(f"{what} must be an int, str or torch.device, got bool: {device!r}")
     if isinstance(device, int):
         if device < 0:
             raise ValueError(f"{what} must be a non-negative CUDA index, got {device}")

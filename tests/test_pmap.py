@@ -310,8 +310,9 @@ def test_device_spellings() -> None:
             r"'cpu\*4', \['cpu'\] \* 4$",
         ),
         (["cpu*x"], ValueError, r"devices\[0\] is not a device: 'cpu\*x' \([^)]*\)$"),
-        ([1.5], TypeError, r"devices\[0\] must be an int, str or torch.device"),
-        ([True], TypeError, r"devices\[0\] must be an int"),
+        ([1.5], TypeError, r"devices\[0\] must be an int, str or torch.device, got float: 1\.5$"),
+        # An int subclass, named as one: "got True" alone read as if True were refused as an int.
+        ([True], TypeError, r"devices\[0\] must be an int, str or torch.device, got bool: True$"),
         ([-1], ValueError, "non-negative CUDA index"),
     ],
 )
