@@ -927,6 +927,21 @@ def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch) -> No
     assert not fdp.distributed.is_initialized()
 
 
+def test_initialize_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reachable by any script that initializes in a helper it calls twice; no test reached it.
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
+    fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"^fdp\.distributed\.initialize was already called in this process$"
+        ):
+            fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+        assert fdp.distributed.is_initialized()  # the first group stays
+    finally:
+        fdp.distributed.shutdown()
+    assert not dist.is_initialized()
+
+
 def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
     psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])
