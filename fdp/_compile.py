@@ -40,8 +40,13 @@ def compiled(
     kwargs = {} if options is True else dict(options)
     try:
         return torch.compile(target, **kwargs)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise type(err)(f"{what}: torch.compile rejected compile={_tree.short_repr(kwargs)}: {err}") from err
+    except (TypeError, ValueError, RuntimeError, AssertionError) as err:
+        # Raised as the builtin type it is: a subclass may build its own message from its
+        # argument (dynamo's InvalidBackend wrapped this one in "Invalid backend: ..." again).
+        # dynamo checks some options' types with assert ("Expected enable to be a bool, got
+        # <class 'str'>" for dynamic='x'): a TypeError, as a wrong type is elsewhere.
+        kind = next((k for k in (TypeError, ValueError, RuntimeError) if isinstance(err, k)), TypeError)
+        raise kind(f"{what}: torch.compile rejected compile={_tree.short_repr(kwargs)}: {err}") from err
 
 
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -355,6 +355,21 @@ def test_one_replica_and_static_arguments() -> None:
             TypeError,
             r"fdp.pmap\(.*<lambda>\): torch.compile rejected compile=\{'bogus': 1\}: .*unexpected keyword",
         ),
+        # dynamo's InvalidBackend built its message around this one: "Invalid backend:
+        # \"fdp.pmap(...): torch.compile rejected ...\", see ..." (said twice, the call inside).
+        (
+            {"backend": "bogus"},
+            RuntimeError,
+            r"^fdp.pmap\(.*<lambda>\): torch.compile rejected compile=\{'backend': 'bogus'\}: "
+            r"Invalid backend: 'bogus', see `torch._dynamo.list_backends\(\)` for available backends.$",
+        ),
+        # An AssertionError of dynamo's, naming neither the call nor the option.
+        (
+            {"dynamic": "x"},
+            TypeError,
+            r"^fdp.pmap\(.*<lambda>\): torch.compile rejected compile=\{'dynamic': 'x'\}: Expected enable "
+            r"to be a bool, got <class 'str'>$",
+        ),
     ],
 )
 def test_bad_compile_options_are_named(option: Any, error: type[Exception], match: str) -> None:
