@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _collectives, _replica
+from . import _collectives, _replica, _tree
 from ._compile import eager_under_compile
 
 __all__ = ["SyncBatchNorm"]
@@ -127,6 +127,12 @@ class SyncBatchNorm(_BatchNorm):
             "fdp.SyncBatchNorm takes no process group, unlike nn.SyncBatchNorm: the replicas of its "
             "axis_name share their statistics, across the processes of fdp.distributed too"
         )
+        if isinstance(num_features, bool) or not hasattr(num_features, "__index__"):
+            # torch's words: "empty(): argument 'size' (position 1) must be tuple of ints, not str".
+            raise TypeError(
+                "fdp.SyncBatchNorm: num_features must be an int (C, the channels of an input of shape "
+                f"(N, C, *)), got {type(num_features).__name__}: {_tree.short_repr(num_features)}"
+            )
         if device is not None and not isinstance(device, str | int | torch.device):
             raise TypeError(
                 "fdp.SyncBatchNorm: device (the sixth positional parameter, as in nn.BatchNorm2d) must "

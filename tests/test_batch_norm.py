@@ -358,6 +358,20 @@ def test_an_unbound_axis_names_the_layer_and_the_axis_name_to_give() -> None:
         wrapped(torch.randn(8, 3))
 
 
+@pytest.mark.parametrize(
+    ("num_features", "got"), [("3", "str: '3'"), (3.0, "float: 3.0"), (True, "bool: True")]
+)
+def test_num_features_that_is_no_int_is_named(num_features: object, got: str) -> None:
+    # torch said "empty(): argument 'size' (position 1) must be tuple of ints, not str", naming
+    # neither the layer nor the argument (and took True for one channel).
+    with pytest.raises(
+        TypeError,
+        match=r"^fdp\.SyncBatchNorm: num_features must be an int \(C, the channels of an input of shape "
+        rf"\(N, C, \*\)\), got {got}$",
+    ):
+        fdp.SyncBatchNorm(num_features, axis_name="batch")  # type: ignore[arg-type]
+
+
 def test_an_unhashable_axis_name_is_refused() -> None:
     with pytest.raises(
         TypeError, match=r"fdp\.SyncBatchNorm: axis_name must be hashable, as fdp\.pmap's is, got \['batch'\]"
