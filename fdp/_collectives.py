@@ -229,7 +229,10 @@ class _Packed:
         given: Sequence[Any] | None = None,
         donated: bool = False,
     ) -> None:
-        leaves, treespec = _tree.flatten(tree)
+        try:
+            leaves, treespec = _tree.flatten(tree)
+        except _tree.RebuildError as err:  # said where it was found
+            raise err.at(caller, (tree,), ("x",)) from None
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
         self.treespec = treespec
@@ -1773,7 +1776,10 @@ def _in_rows(
     Each leaf becomes a tensor of shape ``(n, *chunk)``, ``chunk`` being the leaf with dim
     ``dim`` moved first and cut into ``n`` (tiled), or removed (untiled).
     """
-    leaves, spec = _tree.flatten(x)
+    try:
+        leaves, spec = _tree.flatten(x)
+    except _tree.RebuildError as err:  # said where it was found
+        raise err.at(caller, (x,), ("x",)) from None
 
     def path(k: int) -> str:  # (key paths cost a flatten of their own: only for messages)
         return _tree.flatten_with_paths(x, "x")[0][k]

@@ -128,14 +128,14 @@ def gather_outputs(
     # last call's output had to be rebuilt (resident state), it is flattened exactly at once.
     exact = not lone or (structure is not None and _rebuilt(structure.kept()))
     leaves, treespec, plan, exact = _flat_output(
-        outputs[0], out_axes, plans, structure, exact=exact, caller=caller
+        outputs[0], out_axes, plans, structure, exact=exact, caller=caller, rename=rename
     )
     if lone:
         if _whole_as_it_is(leaves, plan, destination):
             return outputs[0]  # one replica, nothing to join, already on the destination
         if not exact:  # to be rebuilt from it
             leaves, treespec, plan, _ = _flat_output(
-                outputs[0], out_axes, plans, structure, exact=True, caller=caller
+                outputs[0], out_axes, plans, structure, exact=True, caller=caller, rename=rename
             )
         if plan.all_per_replica and devices is not None:  # resident state
             own = _lone_per_replica(leaves, inputs, devices)
@@ -266,13 +266,17 @@ def _flat_output(
     *,
     exact: bool,
     caller: str,
+    rename: Callable[[str], str] | None = None,
 ) -> tuple[list[Any], optree.PyTreeSpec, OutputPlan, bool]:
     """Replica 0's output flattened (along the last call's with ``structure``), its plan, and
     whether the structure is surely the output's own (see :meth:`_tree.LastStructure.flatten`)."""
-    if structure is not None:
-        leaves, treespec, plan, exact = structure.flatten(output, exact=exact)
-    else:
-        (leaves, treespec), plan, exact = _tree.flatten(output), None, True
+    try:
+        if structure is not None:
+            leaves, treespec, plan, exact = structure.flatten(output, exact=exact)
+        else:
+            (leaves, treespec), plan, exact = _tree.flatten(output), None, True
+    except _tree.RebuildError as err:  # said where it was found: in which output
+        raise err.at(caller, (output,), ("output",), rename) from None
     if plan is None:
         plan = plans.get(treespec) if plans is not None else None
         if plan is None:

@@ -367,7 +367,10 @@ class Pmapped(Generic[P, R]):
         """The argument trees' leaves and structure (along the last call's where they repeat
         it), the structure's plan, and whether the structure is surely theirs (see
         :meth:`_tree.LastStructure.flatten`)."""
-        leaves, treespec, plan, exact = self._inputs.flatten(parts, exact=exact)
+        try:
+            leaves, treespec, plan, exact = self._inputs.flatten(parts, exact=exact)
+        except _tree.RebuildError as err:  # said where it was found: in which argument
+            raise err.at(self._caller, parts, roots, self.rename_paths) from None
         if plan is None:  # a structure other than the last call's
             plan = self._plans.get(treespec)
             if plan is None:

@@ -607,7 +607,10 @@ def scatter(
     # A list of axes may spell a tuple's (as pmap's in_axes do for its arguments), but a list
     # tree's axes are a list: read as a tuple, they would match no list at all.
     spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=not isinstance(tree, list))
-    leaves, treespec = _tree.flatten(tree)
+    try:
+        leaves, treespec = _tree.flatten(tree)
+    except _tree.RebuildError as err:  # said where it was found
+        raise err.at(caller, (tree,), ("tree",)) from None
     axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree", caller=caller)
     if packed := _tree.packed_sequence_path((tree,), ("tree",), axes, treespec):
         raise TypeError(packed_sequence_message(caller, packed))
@@ -645,7 +648,10 @@ def replicate(tree: T, devices: Sequence[_devices.DeviceLike]) -> list[T]:
         (True, 2)
     """
     resolved = _devices.resolve_devices(devices, what="fdp.replicate devices")
-    leaves, treespec = _tree.flatten(tree)
+    try:
+        leaves, treespec = _tree.flatten(tree)
+    except _tree.RebuildError as err:  # said where it was found
+        raise err.at("fdp.replicate", (tree,), ("tree",)) from None
     tensor_slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     try:
         copies = _transfer.broadcast([leaves[k] for k in tensor_slots], resolved)

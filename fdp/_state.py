@@ -193,7 +193,10 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
         copies = [source.to(d, copy=True) for d in resolved]
         return PerReplica(copies, resolved)
 
-    leaves, _ = _tree.flatten(tree)  # registers dataclasses
+    try:
+        leaves, _ = _tree.flatten(tree)  # registers dataclasses
+    except _tree.RebuildError as err:  # said where it was found
+        raise err.at("fdp.device_put_replicated", (tree,), ("tree",)) from None
     for i, leaf in enumerate(leaves):
         # Placed already: kept where the devices match; elsewhere its replicas would not be
         # the ones asked for, and a call over ``devices`` would find too many or too few.

@@ -23,7 +23,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import optree
@@ -202,13 +202,14 @@ def _register_dataclass(cls: type) -> None:
                 what = (
                     "a tensor" if isinstance(held, torch.Tensor) else f"tensors (in a {type(held).__name__})"
                 )
-                raise ValueError(
+                raise RebuildError(
+                    obj,
                     f"fdp cannot rebuild the dataclass {cls.__qualname__}: its field {name!r} "
                     f"(init=False) holds {what}, but {cls.__qualname__}(**init fields), which "
                     f"fdp calls to rebuild it from its split fields, sets it to {short_repr(value)}. "
                     f"Compute {name!r} in __post_init__ from the init fields, make it an init "
                     f"field, or register {cls.__qualname__} with optree.register_pytree_node(..., "
-                    f"namespace={NAMESPACE!r})"
+                    f"namespace={NAMESPACE!r})",
                 )
             recomputed.add(name)
 
@@ -225,6 +226,44 @@ def _register_dataclass(cls: type) -> None:
         namespace=NAMESPACE,
     )
     _count_redefinition(cls)
+
+
+class RebuildError(ValueError):
+    """A dataclass instance that fdp would rebuild wrongly (see ``check_late_fields``), found
+    while flattening, where neither the call nor the key path is known: callers that know them
+    say them with :meth:`at`."""
+
+    def __init__(self, obj: Any, message: str) -> None:
+        super().__init__(message)
+        self.obj = obj
+
+    def at(
+        self,
+        caller: str,
+        parts: Sequence[Any],
+        roots: Sequence[str],
+        rename: Callable[[str], str] | None = None,
+    ) -> ValueError:
+        """This error as ``caller``'s, at the key path of the instance in the trees ``parts``
+        (named ``roots``; ``rename`` rewrites the path, as fdp.DataParallel's calls do), e.g.
+        ``fdp.pmap(f): args[0]['batch']: fdp cannot rebuild ...``."""
+        obj, test = self.obj, is_leaf()
+
+        def stop(node: Any) -> bool:  # the instance is a leaf here: flattened, it would raise
+            return node is obj or (test is not None and test(node))
+
+        for part, root in zip(parts, roots):
+            try:
+                accessors, leaves, _ = optree.tree_flatten_with_accessor(
+                    part, is_leaf=stop, namespace=NAMESPACE
+                )
+            except RebuildError:  # another instance, before this one: the path stays unsaid
+                break
+            for accessor, leaf in zip(accessors, leaves):
+                if leaf is obj:
+                    path = accessor.codify(root)
+                    return ValueError(f"{caller}: {path if rename is None else rename(path)}: {self.args[0]}")
+        return ValueError(f"{caller}: {self.args[0]}")
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -728,6 +728,11 @@ def test_dataclass_with_non_init_field_is_rebuilt_by_post_init() -> None:
     assert out.tolist() == [3, 2]
 
 
+class FirstOfTwo(nn.Module):
+    def forward(self, x: torch.Tensor, extra: object) -> torch.Tensor:
+        return x
+
+
 def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -> None:
     @dataclasses.dataclass
     class Derived:
@@ -751,15 +756,32 @@ def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -
     batch.weight = torch.ones(4)  # set after construction: Late(x=...) would not set it again
     for axis in (0, None):  # rebuilt for each replica, whole or split
         f = fdp.pmap(lambda b, y: b.x.sum() * b.weight.sum() * y, in_axes=(axis, 0), devices=cpus(2))
+        # Named by the call and the argument's key path (it named neither).
         with pytest.raises(
             ValueError,
-            match=r"cannot rebuild the dataclass .*Late: its field 'weight' \(init=False\) holds a "
-            r"tensor, but .*sets it to None",
+            match=r"^fdp\.pmap\(\S*<lambda>\): args\[0\]: fdp cannot rebuild the dataclass .*Late: its field "
+            r"'weight' \(init=False\) holds a tensor, but .*sets it to None",
         ):
             f(batch, torch.ones(4))
     # Refused on one replica too (which gets the object itself): alike on any device count.
-    with pytest.raises(ValueError, match="cannot rebuild the dataclass"):
-        fdp.pmap(lambda b: b.x * b.weight, devices=cpus(1))(batch)
+    with pytest.raises(
+        ValueError, match=r"^fdp\.pmap\(\S*<lambda>\): kwargs\['b'\]\['k'\]\[1\]: fdp cannot rebuild"
+    ):
+        fdp.pmap(lambda x, b: x, devices=cpus(1))(torch.ones(4), b={"k": [0, batch]})
+    # And where replicas return one, or pass one to a collective; the other calls that take trees.
+    with pytest.raises(ValueError, match=r"^fdp\.pmap\(\S*<lambda>\): output\[1\]: fdp cannot rebuild"):
+        fdp.pmap(lambda x: (x, batch), devices=cpus(2))(torch.ones(4))
+    with pytest.raises(ValueError, match=r"^fdp\.psum: x\['b'\]: fdp cannot rebuild"):
+        fdp.pmap(lambda x: fdp.psum({"b": batch}, "i")["b"].x, "i", devices=cpus(2))(torch.ones(4))
+    with pytest.raises(ValueError, match=r"^fdp\.DataParallel: inputs\[1\]: fdp cannot rebuild"):
+        fdp.DataParallel(FirstOfTwo(), device_ids=cpus(2))(torch.ones(4), batch)
+    for call, name in (
+        (fdp.device_put_replicated, "device_put_replicated"),
+        (fdp.scatter, "scatter"),
+        (fdp.replicate, "replicate"),
+    ):
+        with pytest.raises(ValueError, match=rf"^fdp\.{name}: tree\['b'\]: fdp cannot rebuild"):
+            call({"b": batch}, cpus(2))
 
 
 def test_tensors_in_a_container_in_a_non_init_field_are_recomputed_or_refused_never_dropped() -> None:
