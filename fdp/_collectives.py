@@ -231,7 +231,7 @@ class _Packed:
     ) -> None:
         try:
             leaves, treespec = _tree.flatten(tree)
-        except _tree.RebuildError as err:  # said where it was found
+        except _tree.UnplacedError as err:  # said where it was found
             raise err.at(caller, (tree,), ("x",)) from None
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
@@ -1778,7 +1778,7 @@ def _in_rows(
     """
     try:
         leaves, spec = _tree.flatten(x)
-    except _tree.RebuildError as err:  # said where it was found
+    except _tree.UnplacedError as err:  # said where it was found
         raise err.at(caller, (x,), ("x",)) from None
 
     def path(k: int) -> str:  # (key paths cost a flatten of their own: only for messages)

@@ -275,7 +275,7 @@ def _flat_output(
             leaves, treespec, plan, exact = structure.flatten(output, exact=exact)
         else:
             (leaves, treespec), plan, exact = _tree.flatten(output), None, True
-    except _tree.RebuildError as err:  # said where it was found: in which output
+    except _tree.UnplacedError as err:  # said where it was found: in which output
         raise err.at(caller, (output,), ("output",), rename) from None
     if plan is None:
         plan = plans.get(treespec) if plans is not None else None

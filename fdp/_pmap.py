@@ -369,7 +369,7 @@ class Pmapped(Generic[P, R]):
         :meth:`_tree.LastStructure.flatten`)."""
         try:
             leaves, treespec, plan, exact = self._inputs.flatten(parts, exact=exact)
-        except _tree.RebuildError as err:  # said where it was found: in which argument
+        except _tree.UnplacedError as err:  # said where it was found: in which argument
             raise err.at(self._caller, parts, roots, self.rename_paths) from None
         if plan is None:  # a structure other than the last call's
             plan = self._plans.get(treespec)

@@ -609,7 +609,7 @@ def scatter(
     spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=not isinstance(tree, list))
     try:
         leaves, treespec = _tree.flatten(tree)
-    except _tree.RebuildError as err:  # said where it was found
+    except _tree.UnplacedError as err:  # said where it was found
         raise err.at(caller, (tree,), ("tree",)) from None
     axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree", caller=caller)
     if packed := _tree.packed_sequence_path((tree,), ("tree",), axes, treespec):
@@ -650,7 +650,7 @@ def replicate(tree: T, devices: Sequence[_devices.DeviceLike]) -> list[T]:
     resolved = _devices.resolve_devices(devices, what="fdp.replicate devices")
     try:
         leaves, treespec = _tree.flatten(tree)
-    except _tree.RebuildError as err:  # said where it was found
+    except _tree.UnplacedError as err:  # said where it was found
         raise err.at("fdp.replicate", (tree,), ("tree",)) from None
     tensor_slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     try:

@@ -195,7 +195,7 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
 
     try:
         leaves, _ = _tree.flatten(tree)  # registers dataclasses
-    except _tree.RebuildError as err:  # said where it was found
+    except _tree.UnplacedError as err:  # said where it was found
         raise err.at("fdp.device_put_replicated", (tree,), ("tree",)) from None
     for i, leaf in enumerate(leaves):
         # Placed already: kept where the devices match; elsewhere its replicas would not be

@@ -228,10 +228,11 @@ def _register_dataclass(cls: type) -> None:
     _count_redefinition(cls)
 
 
-class RebuildError(ValueError):
-    """A dataclass instance that fdp would rebuild wrongly (see ``check_late_fields``), found
-    while flattening, where neither the call nor the key path is known: callers that know them
-    say them with :meth:`at`."""
+class UnplacedError(Exception):
+    """An object that fdp cannot flatten, found while flattening, where neither the call nor
+    the key path is known: callers that know them say them with :meth:`at`."""
+
+    kind: type[Exception] = ValueError  # the type raised by at()
 
     def __init__(self, obj: Any, message: str) -> None:
         super().__init__(message)
@@ -243,7 +244,7 @@ class RebuildError(ValueError):
         parts: Sequence[Any],
         roots: Sequence[str],
         rename: Callable[[str], str] | None = None,
-    ) -> ValueError:
+    ) -> Exception:
         """This error as ``caller``'s, at the key path of the instance in the trees ``parts``
         (named ``roots``; ``rename`` rewrites the path, as fdp.DataParallel's calls do), e.g.
         ``fdp.pmap(f): args[0]['batch']: fdp cannot rebuild ...``."""
@@ -257,13 +258,23 @@ class RebuildError(ValueError):
                 accessors, leaves, _ = optree.tree_flatten_with_accessor(
                     part, is_leaf=stop, namespace=NAMESPACE
                 )
-            except RebuildError:  # another instance, before this one: the path stays unsaid
+            except UnplacedError:  # another object, before this one: the path stays unsaid
                 break
             for accessor, leaf in zip(accessors, leaves):
                 if leaf is obj:
                     path = accessor.codify(root)
-                    return ValueError(f"{caller}: {path if rename is None else rename(path)}: {self.args[0]}")
-        return ValueError(f"{caller}: {self.args[0]}")
+                    return self.kind(f"{caller}: {path if rename is None else rename(path)}: {self.args[0]}")
+        return self.kind(f"{caller}: {self.args[0]}")
+
+
+class RebuildError(UnplacedError, ValueError):
+    """A dataclass instance that fdp would rebuild wrongly (see ``check_late_fields``)."""
+
+
+class AmbiguousNodeError(UnplacedError, TypeError):
+    """An instance of a class registered in several optree namespaces other than fdp's."""
+
+    kind = TypeError
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -300,13 +311,15 @@ def _namespaces_registering(cls: type) -> list[str]:
     return sorted({namespace for namespace, node in _registrations() if node is cls} - {"", NAMESPACE})
 
 
-def _adopt_registration(cls: type, namespaces: list[str]) -> None:
-    """Registers in fdp's namespace the node type a user registered in their own."""
+def _adopt_registration(cls: type, namespaces: list[str], leaf: Any) -> None:
+    """Registers in fdp's namespace the node type a user registered in their own (``leaf`` an
+    instance, for the error's key path)."""
     if len(namespaces) > 1:
-        raise TypeError(
+        raise AmbiguousNodeError(
+            leaf,
             f"{cls.__qualname__} is registered with optree in several namespaces {namespaces}, so "
             f"fdp cannot tell how to split it. Register it in fdp's namespace too: "
-            f"optree.register_pytree_node({cls.__name__}, ..., namespace={NAMESPACE!r})."
+            f"optree.register_pytree_node({cls.__name__}, ..., namespace={NAMESPACE!r}).",
         )
     entry = optree.register_pytree_node.get(cls, namespace=namespaces[0])
     assert isinstance(entry, optree.registry.PyTreeNodeRegistryEntry)
@@ -419,7 +432,7 @@ def _register_new_node_types(leaves: Sequence[Any]) -> bool:
                 continue
             namespaces = _namespaces_registering(cls)
             if namespaces:
-                _adopt_registration(cls, namespaces)
+                _adopt_registration(cls, namespaces, leaf)
             elif (
                 dataclasses.is_dataclass(cls)
                 and cls not in OPAQUE_DATACLASSES

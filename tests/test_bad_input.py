@@ -1230,7 +1230,8 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[Any], Any], type[BaseExcepti
         lambda: (Twice(torch.zeros(4)),),
         lambda a: pm(lambda t: t.x)(*a),
         TypeError,
-        r"Twice is registered with optree in several namespaces \['lib-a', 'lib-b'\]",
+        r"^fdp.pmap\(\S*<lambda>\): args\[0\]: \S*Twice is registered with optree in several namespaces "
+        r"\['lib-a', 'lib-b'\]",
     ),
     (
         # A bare AttributeError ('PerReplica' object has no attribute 'shape') from inside the
