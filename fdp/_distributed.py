@@ -1689,7 +1689,10 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         )
     if _STATE is None:
         return tree
-    paths, leaves, treespec = _tree.flatten_with_paths(tree, "tree")
+    try:
+        paths, leaves, treespec = _tree.flatten_with_paths(tree, "tree")
+    except _tree.UnplacedError as err:  # said where it was found
+        raise err.at("fdp.distributed.broadcast", (tree,), ("tree",)) from None
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, PerReplica):
             raise TypeError(
@@ -1856,7 +1859,10 @@ def shard_batch(batch: _Tree, *, local_replicas: int = 1, split: _split.SplitRul
         )
     if local_replicas < 1:
         raise ValueError(f"{caller}: local_replicas must be a positive int, got {local_replicas}")
-    paths, leaves, spec = _tree.flatten_with_paths(batch, "batch")
+    try:
+        paths, leaves, spec = _tree.flatten_with_paths(batch, "batch")
+    except _tree.UnplacedError as err:  # said where it was found
+        raise err.at(caller, (batch,), ("batch",)) from None
     # Rows that fdp does not split (a UserDict such as a BatchEncoding, a NumPy array) would go
     # to every process whole, and every process would train on the whole batch, silently; a
     # PackedSequence would be cut field by field. Refused as fdp.pmap refuses them.

@@ -942,6 +942,26 @@ def test_initialize_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
 
 
+def test_broadcast_names_a_dataclass_it_cannot_rebuild(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The message named neither the call nor the key path.
+    @dataclasses.dataclass
+    class Late:
+        x: torch.Tensor
+        weight: object = dataclasses.field(init=False, default=None)
+
+    late = Late(torch.zeros(2))
+    late.weight = torch.ones(2)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
+    fdp.distributed.initialize(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(
+            ValueError, match=r"^fdp\.distributed\.broadcast: tree\['s'\]: fdp cannot rebuild"
+        ):
+            fdp.distributed.broadcast({"s": late})
+    finally:
+        fdp.distributed.shutdown()
+
+
 def test_a_group_destroyed_behind_fdps_back_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize wraps it
     psum = fdp.pmap(lambda x: fdp.psum(x, "i"), axis_name="i", devices=["cpu"])

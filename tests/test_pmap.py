@@ -782,6 +782,8 @@ def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -
     ):
         with pytest.raises(ValueError, match=rf"^fdp\.{name}: tree\['b'\]: fdp cannot rebuild"):
             call({"b": batch}, cpus(2))
+    with pytest.raises(ValueError, match=r"^fdp\.distributed\.shard_batch: batch\['b'\]: fdp cannot rebuild"):
+        fdp.distributed.shard_batch({"b": batch})
 
 
 def test_tensors_in_a_container_in_a_non_init_field_are_recomputed_or_refused_never_dropped() -> None:
