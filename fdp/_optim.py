@@ -647,6 +647,8 @@ def _non_negative(value: Any) -> bool | None:
     writes its checks), or None where it is not one number: a str, None, a tensor of several
     values, or one of shape [1] (which passes the comparison, then fails in
     ``torch._foreach_*`` in torch's words; one number is a 0-dim tensor)."""
+    if isinstance(value, bool):  # True >= 0: sgd(True) stepped at lr 1, as torch.optim does
+        return None
     try:
         if isinstance(value, torch.Tensor) and value.dim():
             return None

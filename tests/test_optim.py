@@ -1097,6 +1097,18 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
             r"^fdp\.optim\.adamw: lr must be a non-negative number or a Schedule \(a function of the "
             r"steps taken\), got list: \[0\.001\]$",
         ),
+        # True >= 0: a bool stepped at lr 1 (or momentum 1), as torch.optim takes it.
+        (
+            lambda: optim.sgd(True),
+            TypeError,
+            r"^fdp\.optim\.sgd: lr must be a non-negative number or a Schedule \(a function of the steps "
+            r"taken\), got bool: True$",
+        ),
+        (
+            lambda: optim.sgd(0.1, momentum=True),
+            TypeError,
+            r"^fdp\.optim\.sgd: momentum must be a non-negative number, got bool: True$",
+        ),
         (
             lambda: optim.sgd(0.1, momentum="0.9"),
             TypeError,
