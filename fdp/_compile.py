@@ -11,8 +11,9 @@ each piece and the others find it compiled. :class:`Turns` decides when.
 from __future__ import annotations
 
 import sys
+import threading
 import types
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ import torch
 
 from . import _axes, _tree
 
-__all__ = ["compiled", "own_code", "Turns", "eager_under_compile", "never_compiled"]
+__all__ = ["compiled", "own_code", "Turns", "eager_under_compile", "never_compiled", "cudagraph_trees_ready"]
 
 T = TypeVar("T")
 
@@ -47,6 +48,31 @@ def compiled(
         # <class 'str'>" for dynamic='x'): a TypeError, as a wrong type is elsewhere.
         kind = next((k for k in (TypeError, ValueError, RuntimeError) if isinstance(err, k)), TypeError)
         raise kind(f"{what}: torch.compile rejected compile={_tree.short_repr(kwargs)}: {err}") from err
+
+
+def cudagraph_trees_ready() -> None:
+    """Sets up CUDA graph trees' per-thread state in this thread, where this torch leaves it to
+    the thread that imported them: before each call of a compiled pmapped function.
+
+    ``compile={"mode": "reduce-overhead"}`` (or ``max-autotune``) runs the graphs through
+    inductor's CUDA graph trees, which keep their tree managers in a ``threading.local`` that
+    torch fills in only in the thread that imports the module (and in the autograd threads
+    started from it). Before torch 2.13 (pytorch/pytorch#123177) a compiled call in any other
+    Python thread, a replica's worker, failed with a bare ``AssertionError`` in
+    ``cudagraph_trees.get_obj``. This does what torch 2.13 does on a thread's first use: an
+    empty set of tree managers and locks of the thread's own, stashed where the autograd
+    threads it starts find them. A few attribute reads where there is nothing to do.
+    """
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # imported by inductor, not here
+    if trees is None or hasattr(trees, "_initialize_tls"):  # none in use, or it sets itself up
+        return
+    local = trees.local
+    if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -644,6 +644,8 @@ class Pmapped(Generic[P, R]):
             # uncompiled for good: later calls outside the mode would never compile. The plain
             # function runs as eagerly, and leaves the compiled one to those calls.
             compiled = None
+        if compiled is not None:
+            _compile.cudagraph_trees_ready()  # a worker's thread, on torch < 2.13
         if not self.is_module:
             output = (compiled or self.fn)(*args, **kwargs)
         elif compiled is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -861,3 +862,28 @@ def test_a_seed_folded_with_the_step_inside_a_compiled_step_compiles_once_not_on
     torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
     # The step compiled as a constant, then once as a dynamic value: nothing after step 2.
     assert compiled_by_step[-1] == compiled_by_step[-8] > 0
+
+
+def test_cuda_graph_trees_work_in_a_replicas_worker_thread(on_workers: None) -> None:
+    """compile={"mode": "reduce-overhead"} runs the graphs through inductor's CUDA graph trees,
+    whose per-thread state torch < 2.13 set up only in the thread that imported them: a
+    replica's worker failed with a bare AssertionError (pytorch/pytorch#123177). Every replica's
+    compiled call finds it set up in its own thread. (What inductor asks for on a GPU, asked here
+    from a graph break, which runs in the replica's thread; no CUDA is needed to ask.)"""
+    from torch._inductor import cudagraph_trees
+
+    seen: list[tuple[str, BaseException | None]] = []
+
+    @torch._dynamo.disable
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        try:
+            cudagraph_trees.get_container(0)
+            seen.append((threading.current_thread().name, None))
+        except AssertionError as error:
+            seen.append((threading.current_thread().name, error))
+        return x
+
+    f = fdp.pmap(lambda x: probe(x * 2) + 1, devices=cpus(2), compile={"backend": "eager"})
+    torch.testing.assert_close(f(torch.arange(4.0)), torch.arange(4.0) * 2 + 1)
+    assert len(seen) == 2 and any(name != threading.current_thread().name for name, _ in seen)
+    assert [error for _, error in seen] == [None, None]

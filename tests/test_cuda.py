@@ -317,6 +317,47 @@ def test_resident_training_matches_one_device(devices: list[str], monkeypatch: p
             torch.testing.assert_close(v, dict(model.named_parameters())[k].detach(), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("devices", [["cuda:0"], TWO_ON_ONE], ids=["one", "two_on_one"])
+def test_cuda_graph_resident_step_matches_the_eager_step(devices: list[str]) -> None:
+    # benchmarks/gpu.py's step with compile={"mode": "reduce-overhead"} (CUDA graph trees),
+    # against the same step run eagerly. On two replicas of one GPU, replica 1 runs its graphs
+    # in a worker thread: torch < 2.13 sets up the trees' per-thread state only in the thread
+    # that imported them (pytorch/pytorch#123177), which fdp does for it (_compile.cudagraph_trees_ready).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).cuda()
+    x, y = torch.randn(24, 16, device="cuda"), torch.randint(0, 4, (24,), device="cuda")
+    opt = optim.sgd(0.1, momentum=0.9)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fdp.functional_call(model, p, (x,)), y)
+
+    def run(compile: Any) -> list[dict[str, torch.Tensor]]:
+        @fdp.pmap(axis_name="b", devices=devices, out_axes=fdp.PER_REPLICA, compile=compile)
+        def step(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+            grads = torch.func.grad(loss_fn)(state["params"], x, y)
+            grads = fdp.pmean(grads, "b", weight=x.shape[0], donate=True)
+            params, opt_state = opt.apply_gradients(grads, state["opt"], state["params"])
+            return {"params": params, "opt": opt_state}
+
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        state = fdp.device_put_replicated({"params": params, "opt": opt.init(params)}, devices)
+        for _ in range(5):  # warm-up, recording, then replays
+            torch.compiler.cudagraph_mark_step_begin()
+            state = step(state, x, y)
+        return [
+            {k: v.clone() for k, v in fdp.unreplicate(state["params"], r).items()}
+            for r in range(len(devices))
+        ]
+
+    try:
+        eager, graphed = run(False), run({"mode": "reduce-overhead"})
+    finally:
+        torch._dynamo.reset()
+    for want, got in zip(eager, graphed):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def test_workers_make_the_cuda_context_current() -> None:
     # cuBLAS warns on its first call in a thread with no current CUDA context.
     run_fresh(

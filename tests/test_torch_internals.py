@@ -79,6 +79,9 @@ INTERNALS: dict[str, str] = {
     "torch._dynamo.utils.counters": "graphs compiled during a call: replicas take turns",
     "torch._dynamo.eval_frame.OptimizedModule": "a torch.compile'd module is refused",
     "torch._dynamo.error_on_graph_break": "fdp.functional_call traced in one piece",
+    "torch._inductor.cudagraph_trees.local": "CUDA graph trees' per-thread state (torch < 2.13)",
+    "torch._C._is_key_in_tls": "(set up already, as an autograd thread's is)",
+    "torch._C._stash_obj_in_tls": "(for the autograd threads a worker's backward starts)",
     # _random: fdp.rng_scope.
     "torch._cudnn_init_dropout_state": "a cuDNN RNN dropout state seeded from the scope",
     "torch.ops.aten._cudnn_rnn": "a cuDNN RNN's dropout, routed to the scope's state",
