@@ -47,7 +47,11 @@ def compiled(
         # dynamo checks some options' types with assert ("Expected enable to be a bool, got
         # <class 'str'>" for dynamic='x'): a TypeError, as a wrong type is elsewhere.
         kind = next((k for k in (TypeError, ValueError, RuntimeError) if isinstance(err, k)), TypeError)
-        raise kind(f"{what}: torch.compile rejected compile={_tree.short_repr(kwargs)}: {err}") from err
+        # (torch 2.11's assert for dynamic='x' has no message.)
+        detail = (
+            str(err) or f"a bare {type(err).__name__} (is an option of another type than torch.compile's?)"
+        )
+        raise kind(f"{what}: torch.compile rejected compile={_tree.short_repr(kwargs)}: {detail}") from err
 
 
 def cudagraph_trees_ready() -> None:

@@ -368,8 +368,9 @@ def test_one_replica_and_static_arguments() -> None:
         (
             {"dynamic": "x"},
             TypeError,
-            r"^fdp.pmap\(.*<lambda>\): torch.compile rejected compile=\{'dynamic': 'x'\}: Expected enable "
-            r"to be a bool, got <class 'str'>$",
+            r"^fdp.pmap\(.*<lambda>\): torch.compile rejected compile=\{'dynamic': 'x'\}: (Expected enable "
+            r"to be a bool, got <class 'str'>|a bare AssertionError \(is an option of another type than "
+            r"torch.compile's\?\))$",  # (torch 2.13's words; 2.11's assert has none)
         ),
     ],
 )
