@@ -249,17 +249,24 @@ class UnplacedError(Exception):
         (named ``roots``; ``rename`` rewrites the path, as fdp.DataParallel's calls do), e.g.
         ``fdp.pmap(f): args[0]['batch']: fdp cannot rebuild ...``."""
         obj, test = self.obj, is_leaf()
+        # Leaves here: flattened, this instance would raise again, and so would any other
+        # instance with the same fault (optree flattens the whole tree, past this one).
+        unflattened = {id(obj)}
 
-        def stop(node: Any) -> bool:  # the instance is a leaf here: flattened, it would raise
-            return node is obj or (test is not None and test(node))
+        def stop(node: Any) -> bool:
+            return id(node) in unflattened or (test is not None and test(node))
 
         for part, root in zip(parts, roots):
-            try:
-                accessors, leaves, _ = optree.tree_flatten_with_accessor(
-                    part, is_leaf=stop, namespace=NAMESPACE
-                )
-            except UnplacedError:  # another object, before this one: the path stays unsaid
-                break
+            while True:
+                try:
+                    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+                        part, is_leaf=stop, namespace=NAMESPACE
+                    )
+                    break
+                except UnplacedError as other:
+                    if id(other.obj) in unflattened:  # not from flattening it: give up the path
+                        return self.kind(f"{caller}: {self.args[0]}")
+                    unflattened.add(id(other.obj))
             for accessor, leaf in zip(accessors, leaves):
                 if leaf is obj:
                     path = accessor.codify(root)

@@ -768,6 +768,11 @@ def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -
         ValueError, match=r"^fdp\.pmap\(\S*<lambda>\): kwargs\['b'\]\['k'\]\[1\]: fdp cannot rebuild"
     ):
         fdp.pmap(lambda x, b: x, devices=cpus(1))(torch.ones(4), b={"k": [0, batch]})
+    # The first of several: looking for its path flattened the others, which raised, unsaid.
+    other = Late(torch.zeros(4))
+    other.weight = torch.ones(4)
+    with pytest.raises(ValueError, match=r"^fdp\.pmap\(\S*<lambda>\): args\[0\]\[1\]: fdp cannot rebuild"):
+        fdp.pmap(lambda bs: bs[0], devices=cpus(2))([torch.ones(4), batch, other])
     # And where replicas return one, or pass one to a collective; the other calls that take trees.
     with pytest.raises(ValueError, match=r"^fdp\.pmap\(\S*<lambda>\): output\[1\]: fdp cannot rebuild"):
         fdp.pmap(lambda x: (x, batch), devices=cpus(2))(torch.ones(4))
