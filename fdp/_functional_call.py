@@ -1072,12 +1072,7 @@ def stateful_call(
     # the caller's value: taken from the module instead, it would silently replace it.
     try:
         everything = {**own, **{name: params[name] for name in own if name in params}, **buffers}
-        # (None, given in params to run without that buffer, as torch.func.functional_call takes
-        # it, stays None; a value that is not a tensor reaches torch, which says why it is refused.)
-        new_buffers = {
-            name: b.clone() if isinstance(b, torch.Tensor) else b for name, b in everything.items()
-        }
-        given = {**params, **new_buffers}
+        given = {**params}
     except TypeError:
         # None for buffers (or params) said only "'NoneType' object is not a mapping" (params
         # of a module without buffers, or a list of dicts, only here).
@@ -1088,6 +1083,12 @@ def stateful_call(
                     f"{type(value).__name__}: {_tree.short_repr(value)}"
                 ) from None
         raise
+    # Cloned outside the try: a tensor subclass's clone() that raises a TypeError is its own
+    # error, not one of params or buffers.
+    # (None, given in params to run without that buffer, as torch.func.functional_call takes
+    # it, stays None; a value that is not a tensor reaches torch, which says why it is refused.)
+    new_buffers = {name: b.clone() if isinstance(b, torch.Tensor) else b for name, b in everything.items()}
+    given.update(new_buffers)
     output = functional_call(module, given, args, kwargs)
     # A buffer that forward reassigned (self.count = self.count + 1) came back in ``given``.
     return output, {name: given[name] for name in new_buffers}

@@ -1084,6 +1084,21 @@ def test_stateful_call_names_params_or_buffers_that_are_no_dict(
         fdp.stateful_call(module, given["params"], given["buffers"], (torch.randn(4, 2),))  # type: ignore[arg-type]
 
 
+class _NoClone(torch.Tensor):
+    def clone(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise TypeError("_NoClone cannot be cloned")
+
+
+def test_stateful_call_leaves_a_buffers_own_type_error_as_it_is() -> None:
+    # A TypeError from a buffer's clone() was taken for params or buffers that are no dict,
+    # where params are a mapping that is no Mapping (nn.ParameterDict, which ** takes).
+    bn = nn.BatchNorm1d(2)
+    buffers = dict(bn.named_buffers())
+    buffers["running_mean"] = torch.zeros(2).as_subclass(_NoClone)
+    with pytest.raises(TypeError, match=r"^_NoClone cannot be cloned$"):
+        fdp.stateful_call(bn, nn.ParameterDict(dict(bn.named_parameters())), buffers, (torch.randn(4, 2),))  # type: ignore[arg-type]
+
+
 def test_stateful_call_names_a_module_that_is_no_module() -> None:
     # module.named_buffers() said "'function' object has no attribute 'named_buffers'".
     with pytest.raises(
