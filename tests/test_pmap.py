@@ -778,8 +778,21 @@ def test_a_tensor_in_a_non_init_field_is_recomputed_or_refused_never_dropped() -
         fdp.pmap(lambda x: (x, batch), devices=cpus(2))(torch.ones(4))
     with pytest.raises(ValueError, match=r"^fdp\.psum: x\['b'\]: fdp cannot rebuild"):
         fdp.pmap(lambda x: fdp.psum({"b": batch}, "i")["b"].x, "i", devices=cpus(2))(torch.ones(4))
+    with pytest.raises(ValueError, match=r"^fdp\.psum_scatter: x\['b'\]: fdp cannot rebuild"):  # (cut apart)
+        fdp.pmap(lambda x: fdp.psum_scatter({"b": batch}, "i", tiled=True), "i", devices=cpus(2))(
+            torch.ones(4)
+        )
     with pytest.raises(ValueError, match=r"^fdp\.DataParallel: inputs\[1\]: fdp cannot rebuild"):
         fdp.DataParallel(FirstOfTwo(), device_ids=cpus(2))(torch.ones(4), batch)
+
+    class ReturnsIt(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Late]:
+            return x, batch
+
+    # The module's own output path, not that of the (output, state) that its replicas return.
+    for n in (1, 2):
+        with pytest.raises(ValueError, match=r"^fdp\.DataParallel: output\[1\]: fdp cannot rebuild"):
+            fdp.DataParallel(ReturnsIt(), device_ids=cpus(n))(torch.ones(4))
     for call, name in (
         (fdp.device_put_replicated, "device_put_replicated"),
         (fdp.scatter, "scatter"),
