@@ -236,10 +236,7 @@ class _Packed:
         given: Sequence[Any] | None = None,
         donated: bool = False,
     ) -> None:
-        try:
-            leaves, treespec = _tree.flatten(tree)
-        except _tree.UnplacedError as err:  # said where it was found
-            raise err.at(caller, (tree,), ("x",)) from None
+        leaves, treespec = _tree.flatten_for(tree, caller, "x")
         untransformed = torch._C._functorch.peek_interpreter_stack() is None
         self.tree = tree
         self.treespec = treespec
@@ -1783,10 +1780,7 @@ def _in_rows(
     Each leaf becomes a tensor of shape ``(n, *chunk)``, ``chunk`` being the leaf with dim
     ``dim`` moved first and cut into ``n`` (tiled), or removed (untiled).
     """
-    try:
-        leaves, spec = _tree.flatten(x)
-    except _tree.UnplacedError as err:  # said where it was found
-        raise err.at(caller, (x,), ("x",)) from None
+    leaves, spec = _tree.flatten_for(x, caller, "x")
 
     def path(k: int) -> str:  # (key paths cost a flatten of their own: only for messages)
         return _tree.flatten_with_paths(x, "x")[0][k]

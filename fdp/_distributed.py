@@ -1689,10 +1689,7 @@ def broadcast(tree: _Tree, *, src: int = 0) -> _Tree:
         )
     if _STATE is None:
         return tree
-    try:
-        paths, leaves, treespec = _tree.flatten_with_paths(tree, "tree")
-    except _tree.UnplacedError as err:  # said where it was found
-        raise err.at("fdp.distributed.broadcast", (tree,), ("tree",)) from None
+    paths, leaves, treespec = _tree.flatten_with_paths(tree, "tree", caller="fdp.distributed.broadcast")
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, PerReplica):
             raise TypeError(
@@ -1859,10 +1856,7 @@ def shard_batch(batch: _Tree, *, local_replicas: int = 1, split: _split.SplitRul
         )
     if local_replicas < 1:
         raise ValueError(f"{caller}: local_replicas must be a positive int, got {local_replicas}")
-    try:
-        paths, leaves, spec = _tree.flatten_with_paths(batch, "batch")
-    except _tree.UnplacedError as err:  # said where it was found
-        raise err.at(caller, (batch,), ("batch",)) from None
+    paths, leaves, spec = _tree.flatten_with_paths(batch, "batch", caller=caller)
     # Rows that fdp does not split (a UserDict such as a BatchEncoding, a NumPy array) would go
     # to every process whole, and every process would train on the whole batch, silently; a
     # PackedSequence would be cut field by field. Refused as fdp.pmap refuses them.

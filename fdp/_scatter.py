@@ -607,10 +607,7 @@ def scatter(
     # A list of axes may spell a tuple's (as pmap's in_axes do for its arguments), but a list
     # tree's axes are a list: read as a tuple, they would match no list at all.
     spec = _axes.check_spec(in_axes, what="in_axes", caller=caller, list_as_tuple=not isinstance(tree, list))
-    try:
-        leaves, treespec = _tree.flatten(tree)
-    except _tree.UnplacedError as err:  # said where it was found
-        raise err.at(caller, (tree,), ("tree",)) from None
+    leaves, treespec = _tree.flatten_for(tree, caller, "tree")
     axes = _axes.leaf_axes(spec, tree, what="in_axes", tree_name="the tree", caller=caller)
     if packed := _tree.packed_sequence_path((tree,), ("tree",), axes, treespec):
         raise TypeError(packed_sequence_message(caller, packed))
@@ -648,10 +645,7 @@ def replicate(tree: T, devices: Sequence[_devices.DeviceLike]) -> list[T]:
         (True, 2)
     """
     resolved = _devices.resolve_devices(devices, what="fdp.replicate devices")
-    try:
-        leaves, treespec = _tree.flatten(tree)
-    except _tree.UnplacedError as err:  # said where it was found
-        raise err.at("fdp.replicate", (tree,), ("tree",)) from None
+    leaves, treespec = _tree.flatten_for(tree, "fdp.replicate", "tree")
     tensor_slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     try:
         copies = _transfer.broadcast([leaves[k] for k in tensor_slots], resolved)

@@ -193,10 +193,7 @@ def device_put_replicated(tree: Any, devices: Sequence[_devices.DeviceLike]) -> 
         copies = [source.to(d, copy=True) for d in resolved]
         return PerReplica(copies, resolved)
 
-    try:
-        leaves, _ = _tree.flatten(tree)  # registers dataclasses
-    except _tree.UnplacedError as err:  # said where it was found
-        raise err.at("fdp.device_put_replicated", (tree,), ("tree",)) from None
+    leaves, _ = _tree.flatten_for(tree, "fdp.device_put_replicated", "tree")  # registers dataclasses
     for i, leaf in enumerate(leaves):
         # Placed already: kept where the devices match; elsewhere its replicas would not be
         # the ones asked for, and a call over ``devices`` would find too many or too few.

@@ -674,6 +674,16 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     return leaves, spec
 
 
+def flatten_for(tree: Any, caller: str, root: str) -> tuple[list[Any], optree.PyTreeSpec]:
+    """:func:`flatten` for ``caller``, whose argument ``tree`` is named ``root`` in messages: an
+    object that cannot be flattened (see :class:`UnplacedError`) is said as ``caller``'s, at its
+    key path (``fdp.psum: x['b']: ...``)."""
+    try:
+        return flatten(tree)
+    except UnplacedError as err:
+        raise err.at(caller, (tree,), (root,)) from None
+
+
 def flatten_like(
     tree: Any, spec: optree.PyTreeSpec, types: list[type]
 ) -> tuple[list[Any], optree.PyTreeSpec]:
@@ -956,9 +966,15 @@ def refusing_node(
     return find(spec, 0, 0)
 
 
-def flatten_with_paths(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """Like :func:`flatten`, with each leaf's key path written as code, e.g. ``args[0]['w']``."""
-    flatten(tree)  # registers dataclasses first
+def flatten_with_paths(
+    tree: Any, root: str, *, caller: str | None = None
+) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """Like :func:`flatten`, with each leaf's key path written as code, e.g. ``args[0]['w']``;
+    with ``caller``, as :func:`flatten_for` for it."""
+    if caller is None:  # (each registers dataclasses first)
+        flatten(tree)
+    else:
+        flatten_for(tree, caller, root)
     accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf(), namespace=NAMESPACE)
     return [accessor.codify(root) for accessor in accessors], leaves, spec
 
