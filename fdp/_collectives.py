@@ -72,28 +72,12 @@ _NO_GROUPS = (
 def _refusing_jax_options(**instead: str) -> Callable[[_F], _F]:
     """A collective that names its own spelling of ``jax.lax``'s keyword options it is passed:
     ``axis_index_groups``, and ``instead``'s (JAX's keyword -> what to write, with ``{value}``
-    the value passed)."""
-    options = {"axis_index_groups": _NO_GROUPS, **instead}
+    the value passed); see :func:`_tree.naming_foreign_options`."""
 
     def decorate(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            # Looked at only once Python refuses the call: a check of kwargs up front cost
-            # every call of a collective about twice this wrapper's own call (bench: a lone
-            # replica's psum). None of ``options`` is fn's, so the call that has one fails in
-            # binding its arguments, before fn's body could raise a TypeError of its own.
-            try:
-                return fn(*args, **kwargs)
-            except TypeError:
-                name = next((name for name in kwargs if name in options), None)
-                if name is None:
-                    raise
-                raise TypeError(
-                    f"fdp.{fn.__name__} got an unexpected keyword argument {name!r} "
-                    f"(jax.lax.{fn.__name__}'s): " + options[name].format(value=kwargs[name])
-                ) from None
-
-        return checked  # type: ignore[return-value]
+        whose = f"jax.lax.{fn.__name__}'s"
+        options = {key: (whose, text) for key, text in {"axis_index_groups": _NO_GROUPS, **instead}.items()}
+        return _tree.naming_foreign_options(f"fdp.{fn.__name__}", options)(fn)
 
     return decorate
 

@@ -894,22 +894,6 @@ _FOREIGN_OPTIONS = {
     ),
 }
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _refusing_foreign_options(pmap: _F) -> _F:
-    """``pmap``, saying what to write instead of another library's option (``_FOREIGN_OPTIONS``)."""
-
-    @functools.wraps(pmap)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        if kwargs and not _FOREIGN_OPTIONS.keys().isdisjoint(kwargs):
-            name = next(name for name in kwargs if name in _FOREIGN_OPTIONS)
-            whose, instead = _FOREIGN_OPTIONS[name]
-            raise TypeError(f"fdp.pmap got an unexpected keyword argument {name!r} ({whose}): {instead}")
-        return pmap(*args, **kwargs)
-
-    return checked  # type: ignore[return-value]
-
 
 # First, for @functools.partial(fdp.pmap, axis_name="i"), JAX's decorator: mypy's partial plugin
 # skips overloaded functions, and typeshed's partial then returns what the first overload returns,
@@ -987,7 +971,7 @@ def pmap(
 ) -> Callable[[Callable[P, R]], Pmapped[P, R]]: ...
 
 
-@_refusing_foreign_options
+@_tree.naming_foreign_options("fdp.pmap", _FOREIGN_OPTIONS)
 def pmap(
     fn: Callable[P, R] | None = None,
     /,

@@ -17,13 +17,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import optree
@@ -1021,6 +1022,41 @@ def describe(value: object) -> str:
             return f"{dtype}[nested tensor of {value.size(0)} components]"
         return f"{dtype}[{','.join(str(s) for s in shape)}]"
     return type(value).__name__
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def naming_foreign_options(name: str, options: Mapping[str, tuple[str, str]]) -> Callable[[_F], _F]:
+    """A decorator for ``name``, a function of fdp's that another library's users call with that
+    library's keywords: ``options`` maps each such keyword to whose it is and what to write
+    instead (``{value}``, the value passed). Python's "got an unexpected keyword argument"
+    says neither.
+
+    The keywords are looked at only once Python refuses the call: none of them is the
+    function's, so a call that passes one fails in binding its arguments, before the body could
+    raise a TypeError of its own. A call that binds pays one frame (a collective's, on every
+    call: a check of the keywords up front cost about twice that).
+    """
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except TypeError:
+                option = next((key for key in kwargs if key in options), None)
+                if option is None:
+                    raise
+                whose, instead = options[option]
+                raise TypeError(
+                    f"{name} got an unexpected keyword argument {option!r} ({whose}): "
+                    + instead.format(value=kwargs[option])
+                ) from None
+
+        return checked  # type: ignore[return-value]
+
+    return decorate
 
 
 def check_flag(value: object, what: str) -> bool:
