@@ -672,13 +672,10 @@ def _check_non_negative(name: str, values: dict[str, Any], *, number: str = "a n
 
 
 def _number(value: Any) -> bool:
-    """Whether ``value`` is one real number, not NaN (infinities are numbers)."""
-    try:
-        if isinstance(value, torch.Tensor) and value.dim():
-            return False
-        return bool(value >= 0 or value < 0)
-    except (TypeError, RuntimeError):
-        return False
+    """Whether ``value`` is one real number, not NaN (infinities are numbers): one that
+    :func:`_non_negative` takes (so not a bool either), and compares as one sign or the other."""
+    fine = _non_negative(value)
+    return fine is not None and (fine or bool(value < 0))
 
 
 def _refuse_not_a_number(name: str, what: str, value: Any) -> NoReturn:

@@ -1110,6 +1110,11 @@ def test_bad_hyperparameters(make: Callable[[], Any], match: str) -> None:
             r"^fdp\.optim\.sgd: momentum must be a non-negative number, got bool: True$",
         ),
         (
+            lambda: optim.sgd(0.1, momentum=0.9, dampening=True),
+            TypeError,
+            r"^fdp\.optim\.sgd: dampening must be a number, got bool: True$",
+        ),
+        (
             lambda: optim.sgd(0.1, momentum="0.9"),
             TypeError,
             r"^fdp\.optim\.sgd: momentum must be a non-negative number, got str: '0\.9'$",
