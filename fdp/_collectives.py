@@ -139,7 +139,7 @@ def axis_index(axis_name: Hashable) -> int:
         [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
     """
     context = _bound(axis_name, "fdp.axis_index")
-    return context.group.offset + context.index
+    return context.global_index
 
 
 @eager_under_compile

@@ -108,7 +108,7 @@ def replica_seed(seed: int, axis_name: Hashable) -> int:
     except TypeError:
         raise TypeError(f"fdp.replica_seed: seed must be an integer, got {seed!r}") from None
     context = _collectives._bound(axis_name, "fdp.replica_seed")
-    return fold_in(seed, context.group.offset + context.index)
+    return fold_in(seed, context.global_index)
 
 
 # Traced, fold_in's arithmetic on a Python int that changes per call (the step in

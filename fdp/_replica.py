@@ -374,6 +374,11 @@ class ReplicaContext:
         self.device = device
         self.group = group
 
+    @property
+    def global_index(self) -> int:
+        """The replica's index along its axis, across processes (what ``fdp.axis_index`` gives)."""
+        return self.group.offset + self.index
+
 
 class _Local(threading.local):
     context: ReplicaContext | None = None
