@@ -55,7 +55,7 @@ class PerReplica:
         if sizes[0] != sizes[1]:
             raise ValueError(
                 f"fdp.PerReplica: values and devices must have one entry per replica each, got "
-                f"{len(values)} values and {len(devices)} devices"
+                f"{sizes[0]} values and {sizes[1]} devices"
             )
         self.values = tuple(values)
         self.devices = tuple(devices)
